@@ -1,0 +1,199 @@
+"""ANN attention: each query attends to a sliding window of recent keys plus the top-n most
+relevant earlier blocks of keys.
+
+Legend of dimension letters:
+    b batch            h query heads        g kv heads         r = h / g, query heads per kv head
+    s new queries      t keys (positions)   d head dim         m blocks
+    T queries per tile n top_n              B block size       W window (a multiple of B)
+
+Definition (one semantics for training, prefill and decoding). Block j holds positions
+[j*B, (j+1)*B), aligned to each sequence's position 0. For a query at position t:
+    window keys:      positions max(0, t-W+1) .. t;
+    candidate blocks: j with j*B <= t-W (complete, past, holding a key older than the window);
+    selection:        the top_n candidates by (sum of the GQA group's queries at t) . summary_j,
+                      chosen per token and per kv head (model/retrieval.py);
+    attended keys:    the window plus the selected blocks' positions <= t-W, under one softmax per
+                      query head. No key counts twice, and missing candidates are just missing.
+When top_n covers every candidate this is dense causal attention, and the code takes SDPA then.
+
+Cost. Queries are processed in tiles of T: a tile's window is one slab of T+W-1 keys and each
+query gathers its n*B block keys, so memory is O(T*(T+W+n*B)) per tile and O(s*(W+n*B)) in all,
+never O(s*t). Decoding one token costs O(W + n*B) attention plus one retrieval.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .model import KVBuffer, dense_attention
+from .retrieval import build_retriever, candidate_count
+
+NEG_INF = float("-inf")
+QUERY_TILE = 256
+
+
+def group_query_sum(q, kv_heads):
+    """q (b, h, s, d) -> (b, g, s, d): the summed queries of each GQA group, which pick its blocks."""
+    b, h, s, d = q.shape
+    return q.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+
+
+def block_means(keys, first_block, end_block, block_size):
+    """keys (b, g, t, d) -> summaries (b, g, end_block - first_block, d): mean key of each block."""
+    b, g, _, d = keys.shape
+    span = keys[:, :, first_block * block_size : end_block * block_size]
+    return span.reshape(b, g, end_block - first_block, block_size, d).mean(dim=3)
+
+
+def window_slab(keys, values, first_positions, tile_len, window):
+    """The keys any query of a tile can see in its window.
+
+    keys/values (b, g, t, d), first_positions (b,) = position of the tile's first query
+    -> slab keys/values (b, g, T+W-1, d), slab positions (b, T+W-1) (negative ones are masked).
+    """
+    b, g, t, d = keys.shape
+    positions = first_positions[:, None] - (window - 1) + torch.arange(tile_len + window - 1, device=keys.device)
+    if bool((first_positions == first_positions[0]).all()) and int(positions[0, 0]) >= 0:
+        begin = int(positions[0, 0])
+        return keys[:, :, begin : begin + positions.shape[1]], values[:, :, begin : begin + positions.shape[1]], positions
+    index = positions.clamp(0, t - 1)[:, None, :, None].expand(b, g, -1, d)
+    return keys.gather(2, index), values.gather(2, index), positions
+
+
+def gather_blocks(keys, block_ids, block_size):
+    """keys (b, g, t, d), block_ids (b, g, T, n) -> (b, g, T, n*B, d): each query's block keys."""
+    b, g, t, d = keys.shape
+    blocks = keys[:, :, : (t // block_size) * block_size].reshape(b, g, t // block_size, block_size, d)
+    rows = torch.arange(b, device=keys.device)[:, None, None, None]
+    heads = torch.arange(g, device=keys.device)[None, :, None, None]
+    gathered = blocks[rows, heads, block_ids]
+    return gathered.reshape(b, g, block_ids.shape[2], -1, d)
+
+
+def attend_tile(q, query_positions, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window):
+    """Attention of one tile of queries over its window slab and its retrieved blocks.
+
+    q (b, g, r, T, d); query_positions (b, T); slab_k/v (b, g, T+W-1, d); slab_positions (b, T+W-1);
+    block_k/v (b, g, T, n*B, d); block_visible (b, g, T, n*B) -> out (b, g, r, T, d).
+    """
+    b, g, r, tile_len, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    offset = slab_positions[:, None, :] - query_positions[:, :, None]
+    in_window = (offset <= 0) & (offset > -window) & (slab_positions[:, None, :] >= 0)
+    window_logits = (q.reshape(b, g, r * tile_len, d) @ slab_k.transpose(-1, -2)).view(b, g, r, tile_len, -1)
+    window_logits = window_logits.mul(scale).masked_fill(~in_window[:, None, None], NEG_INF)
+    if block_k is None:
+        weights = window_logits.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        return (weights.view(b, g, r * tile_len, -1) @ slab_v).view(q.shape)
+    block_logits = (q.permute(0, 1, 3, 2, 4) @ block_k.transpose(-1, -2)).permute(0, 1, 3, 2, 4)
+    block_logits = block_logits.mul(scale).masked_fill(~block_visible[:, :, None], NEG_INF)
+    logits = torch.cat([window_logits, block_logits], dim=-1)
+    weights = logits.softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(q.dtype)
+    window_weights, block_weights = weights.split([window_logits.shape[-1], block_logits.shape[-1]], dim=-1)
+    out = (window_weights.reshape(b, g, r * tile_len, -1) @ slab_v).view(q.shape)
+    return out + (block_weights.permute(0, 1, 3, 2, 4) @ block_v).permute(0, 1, 3, 2, 4)
+
+
+class AnnLayerCache(KVBuffer):
+    """KV buffer plus the block summaries and the retriever's state (e.g. HNSW graphs) of one layer."""
+
+    def __init__(self, retriever):
+        super().__init__()
+        self.retriever = retriever
+        self.summaries = None
+
+    def update_summaries(self, starts, ends, block_size):
+        """Recompute the summaries of every block that the last write touched.
+
+        summaries (b, g, m, d) covers blocks complete in every row up to ends; blocks that hold a
+        row's not-yet-real positions (padding) are recomputed once real keys replace them.
+        """
+        first = int(starts.min()) // block_size
+        end = int(ends.max()) // block_size
+        fresh = block_means(self.k, first, end, block_size)
+        if self.summaries is None or self.summaries.shape[2] < end:
+            grown = fresh.new_zeros(*fresh.shape[:2], max(end, 2 * (0 if self.summaries is None else self.summaries.shape[2])), fresh.shape[3])
+            if self.summaries is not None:
+                grown[:, :, : self.summaries.shape[2]] = self.summaries
+            self.summaries = grown
+        self.summaries[:, :, first:end] = fresh
+        return self.summaries[:, :, :end]
+
+
+class AnnAttention:
+    def __init__(self, config, retrieval=None):
+        self.kv_heads = config.num_key_value_heads
+        self.window = config.ann_window
+        self.block_size = config.ann_block_size
+        self.top_n = config.ann_top_n
+        self.config = config
+        self.retrieval = retrieval or config.ann_retrieval
+
+    def new_layer_cache(self):
+        return AnnLayerCache(build_retriever(self.config, self.retrieval))
+
+    def covers_everything(self, last_position):
+        """True when no query up to last_position has more candidate blocks than top_n: dense is exact."""
+        return (last_position - self.window) // self.block_size + 1 <= self.top_n
+
+    def __call__(self, q, k, v, starts, ends, layer_cache):
+        """q (b, h, s, d), k/v (b, g, s, d) of the new tokens -> out (b, h, s, d).
+
+        starts None: a causal pass over a whole sequence from position 0 without cache (training).
+        Else starts (b,) and ends (b,) give each row's first new position and its end of real
+        tokens, and layer_cache is this layer's AnnLayerCache.
+        """
+        b, h, s, d = q.shape
+        first = torch.zeros(b, dtype=torch.long, device=q.device) if starts is None else starts
+        ends = first + s if ends is None else ends
+        if layer_cache is None:
+            keys, values = k, v
+        else:
+            keys, values = layer_cache.append(k, v, first)
+        if self.covers_everything(int(first.max()) + s - 1):
+            if layer_cache is not None:
+                layer_cache.update_summaries(first, ends, self.block_size)
+            return dense_attention(q, keys, values, starts)
+        if layer_cache is None:
+            retriever = build_retriever(self.config, self.retrieval)
+            summaries = block_means(k, 0, s // self.block_size, self.block_size)
+        else:
+            retriever = layer_cache.retriever
+            summaries = layer_cache.update_summaries(first, ends, self.block_size)
+
+        group_queries = group_query_sum(q.detach(), self.kv_heads)
+        grouped_q = q.view(b, self.kv_heads, h // self.kv_heads, s, d)
+        tiles = []
+        for tile_begin in range(0, s, QUERY_TILE):
+            tile_len = min(QUERY_TILE, s - tile_begin)
+            tile_first = first + tile_begin
+            query_positions = tile_first[:, None] + torch.arange(tile_len, device=q.device)
+            slab_k, slab_v, slab_positions = window_slab(keys, values, tile_first, tile_len, self.window)
+            block_k = block_v = block_visible = None
+            if self.top_n:
+                real_positions = torch.minimum(query_positions, ends[:, None] - 1)
+                limits = candidate_count(real_positions, self.window, self.block_size)
+                with torch.no_grad():
+                    block_ids, valid = retriever.select(
+                        group_queries[:, :, tile_begin : tile_begin + tile_len], summaries, limits, self.top_n
+                    )
+                block_k = gather_blocks(keys, block_ids, self.block_size)
+                block_v = gather_blocks(values, block_ids, self.block_size)
+                key_positions = (block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device))
+                older_than_window = key_positions <= (query_positions - self.window)[:, None, :, None, None]
+                block_visible = (valid[..., None] & older_than_window).flatten(-2)
+            tiles.append(
+                attend_tile(
+                    grouped_q[:, :, :, tile_begin : tile_begin + tile_len],
+                    query_positions,
+                    slab_k,
+                    slab_v,
+                    slab_positions,
+                    block_k,
+                    block_v,
+                    block_visible,
+                    self.window,
+                )
+            )
+        return torch.cat(tiles, dim=3).reshape(b, h, s, d)

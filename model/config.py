@@ -1,0 +1,152 @@
+"""Model configuration: one transformers `PretrainedConfig` with named size presets.
+
+The attention switch `attn_impl` selects dense causal attention (the baseline) or ANN attention
+(sliding window + top-n retrieved blocks, see model/ann_attention.py). Every setting is checked
+here, at construction, so an impossible model fails before any data is read.
+"""
+
+import math
+
+from transformers import PretrainedConfig
+
+ATTN_IMPLS = ("dense", "ann")
+RETRIEVERS = ("exact", "hnsw", "auto")
+
+# hidden, layers, query heads, kv heads. "tiny" is what the offline CPU demo trains in minutes;
+# "small" and "base" are minimind2's 26M and 104M models.
+PRESETS = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2),
+    "base": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2),
+}
+
+
+class MiniMindConfig(PretrainedConfig):
+    model_type = "minimind"
+
+    def __init__(
+        self,
+        vocab_size=6400,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=None,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        dropout=0.0,
+        attn_impl="dense",
+        ann_window=64,
+        ann_block_size=16,
+        ann_top_n=4,
+        ann_retrieval="exact",
+        ann_auto_threshold=4096,
+        hnsw_m=32,
+        hnsw_ef_construction=80,
+        hnsw_ef_search=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        # SwiGLU keeps the parameter count of a 4x MLP with 8/3 x width, rounded up to 64 like minimind.
+        self.intermediate_size = intermediate_size or 64 * math.ceil(hidden_size * 8 / 3 / 64)
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.dropout = dropout
+        self.attn_impl = attn_impl
+        self.ann_window = ann_window
+        self.ann_block_size = ann_block_size
+        self.ann_top_n = ann_top_n
+        self.ann_retrieval = ann_retrieval
+        self.ann_auto_threshold = ann_auto_threshold
+        self.hnsw_m = hnsw_m
+        self.hnsw_ef_construction = hnsw_ef_construction
+        self.hnsw_ef_search = hnsw_ef_search
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate_settings()
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        settings = dict(PRESETS[name])
+        settings.update({key: value for key, value in overrides.items() if value is not None})
+        return cls(**settings)
+
+    def validate_settings(self):
+        problems = []
+
+        def positive_int(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+                return False
+            return True
+
+        sizes_ok = all(
+            [
+                positive_int(name)
+                for name in (
+                    "vocab_size",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "intermediate_size",
+                    "max_position_embeddings",
+                )
+            ]
+        )
+        if sizes_ok:
+            if self.hidden_size % self.num_attention_heads:
+                problems.append(
+                    f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+                )
+            elif self.head_dim % 2:
+                problems.append(f"head_dim (hidden_size / num_attention_heads = {self.head_dim}) must be even for RoPE")
+            if self.num_attention_heads % self.num_key_value_heads:
+                problems.append(
+                    f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                    f"num_attention_heads ({self.num_attention_heads})"
+                )
+        if self.attn_impl not in ATTN_IMPLS:
+            problems.append(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.ann_retrieval not in RETRIEVERS:
+            problems.append(f"ann_retrieval must be one of {RETRIEVERS}, got {self.ann_retrieval!r}")
+        ann_ok = all(
+            [
+                positive_int(name)
+                for name in ("ann_window", "ann_block_size", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search")
+            ]
+        )
+        if ann_ok and self.ann_window % self.ann_block_size:
+            problems.append(
+                f"ann_window ({self.ann_window}) must be a multiple of ann_block_size ({self.ann_block_size})"
+            )
+        for name in ("ann_top_n", "ann_auto_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name} must be a non-negative integer, got {value!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if problems:
+            raise ValueError("invalid MiniMindConfig: " + "; ".join(problems))

@@ -1,0 +1,210 @@
+"""Block retrieval for ANN attention: which earlier blocks of keys each query attends to.
+
+Legend (as in model/ann_attention.py):
+    b batch   g kv heads   s queries   d head dim   m blocks   n top_n
+
+A block's summary is the mean of its keys for one KV head. A query scores the candidate blocks
+(see `candidate_count`) by the inner product of its GQA group's summed query with each summary
+and keeps the best top_n. Two retrievers give the same answer through one interface:
+
+    retriever.select(group_queries (b, g, s, d), summaries (b, g, m, d), limits (b, s), top_n)
+        -> block ids (b, g, s, n) long, valid (b, g, s, n) bool
+
+`limits` is how many leading blocks are candidates for each query (0 .. m); slots past the
+number of candidates are invalid, so a query never sees padding or a duplicated block.
+
+    exact: one batched matmul and top-k in torch (training's default).
+    hnsw:  a FAISS HNSW graph per (sequence, kv head) that grows as blocks become candidates;
+           per layer, its state lives in the KV cache so decoding only adds the new blocks.
+    auto:  exact while the candidates are fewer than a threshold, hnsw beyond it.
+"""
+
+import faiss
+import numpy as np
+import torch
+
+NEG_INF = float("-inf")
+
+
+def candidate_count(positions, window, block_size):
+    """positions (b, s) -> number of candidate blocks (b, s): blocks j with j*B <= t - W."""
+    return torch.div(positions - window, block_size, rounding_mode="floor").add(1).clamp(min=0)
+
+
+def pad_selection(block_ids, valid, top_n):
+    """Pad (b, g, s, k<=n) selections to n slots with invalid entries."""
+    missing = top_n - block_ids.shape[-1]
+    if missing <= 0:
+        return block_ids, valid
+    block_ids = torch.nn.functional.pad(block_ids, (0, missing))
+    valid = torch.nn.functional.pad(valid, (0, missing), value=False)
+    return block_ids, valid
+
+
+def exact_select(group_queries, summaries, limits, top_n):
+    """Exact top-n candidate blocks per query by inner product.
+
+    group_queries (b, g, s, d), summaries (b, g, m, d), limits (b, s) -> ids, valid (b, g, s, n).
+    """
+    m = min(int(limits.max()), summaries.shape[2])
+    if m == 0 or top_n == 0:
+        empty = group_queries.new_zeros(*group_queries.shape[:3], top_n, dtype=torch.long)
+        return empty, empty.bool()
+    scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
+    is_candidate = torch.arange(m, device=scores.device)[None, None, :] < limits[:, :, None]
+    scores = scores.masked_fill(~is_candidate[:, None], NEG_INF)
+    top_scores, block_ids = scores.topk(min(top_n, m), dim=-1)
+    return pad_selection(block_ids, top_scores > NEG_INF, top_n)
+
+
+class ExactRetriever:
+    def add_candidates(self, summaries, limits):
+        pass
+
+    def select(self, group_queries, summaries, limits, top_n):
+        return exact_select(group_queries, summaries, limits, top_n)
+
+
+class MipsHnsw:
+    """Maximum-inner-product search over one growing set of vectors with an L2 HNSW graph.
+
+    HNSW walks a graph built for a metric; inner product is not one, and searching it directly
+    loses recall. The standard reduction appends sqrt(R^2 - |x|^2) to every stored vector and 0 to
+    every query: then the L2-nearest stored vector is the one of largest inner product, for any
+    R >= max |x|. R is fixed per graph; a vector longer than R rebuilds the graph with R doubled,
+    which happens O(log(norm growth)) times.
+    """
+
+    def __init__(self, dim, m, ef_construction, ef_search):
+        self.dim = dim
+        self.m = m
+        self.ef_construction = ef_construction
+        self.ef_search = ef_search
+        self.vectors = np.zeros((0, dim), dtype=np.float32)
+        self.radius = 0.0
+        self.index = None
+
+    def __len__(self):
+        return len(self.vectors)
+
+    def _new_index(self):
+        index = faiss.IndexHNSWFlat(self.dim + 1, self.m)
+        index.hnsw.efConstruction = self.ef_construction
+        index.hnsw.efSearch = self.ef_search
+        return index
+
+    def _augment(self, vectors):
+        lift = np.sqrt(np.maximum(self.radius**2 - (vectors**2).sum(axis=1), 0.0)).astype(np.float32)
+        return np.concatenate([vectors, lift[:, None]], axis=1)
+
+    def add(self, vectors):
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if len(vectors) == 0:
+            return
+        self.vectors = np.concatenate([self.vectors, vectors])
+        longest = float(np.sqrt((vectors**2).sum(axis=1).max()))
+        if self.index is None or longest > self.radius:
+            self.radius = max(2.0 * self.radius, longest * 1.25, 1e-6)
+            self.index = self._new_index()
+            self.index.add(self._augment(self.vectors))
+        else:
+            self.index.add(self._augment(vectors))
+
+    def search(self, queries, k):
+        """queries (s, d) -> labels (s, k) int64 (-1 where fewer than k vectors exist)."""
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        k = min(k, len(self.vectors))
+        if k == 0:
+            return np.full((len(queries), 0), -1, dtype=np.int64)
+        augmented = np.concatenate([queries, np.zeros((len(queries), 1), dtype=np.float32)], axis=1)
+        _, labels = self.index.search(augmented, k)
+        return labels
+
+
+class HnswRetriever:
+    """One MipsHnsw per (sequence, kv head); block j is added once it is a candidate for some query.
+
+    Labels are positions in the order of insertion; `block_ids` maps them back to block ids, so
+    the answer stays right however blocks were inserted.
+    """
+
+    def __init__(self, m, ef_construction, ef_search):
+        self.settings = (m, ef_construction, ef_search)
+        self.graphs = None
+        self.block_ids = None
+
+    def add_candidates(self, summaries, limits):
+        """Insert, per sequence, every block below its largest limit that is not in its graphs yet."""
+        b, g, _, d = summaries.shape
+        if self.graphs is None:
+            self.graphs = [[MipsHnsw(d, *self.settings) for _ in range(g)] for _ in range(b)]
+            self.block_ids = [np.zeros(0, dtype=np.int64) for _ in range(b)]
+        if len(self.graphs) != b:
+            raise ValueError(f"this HNSW state holds {len(self.graphs)} sequences, the call has {b}")
+        wanted = limits.max(dim=1).values.tolist()
+        for row in range(b):
+            have = len(self.block_ids[row])
+            if wanted[row] <= have:
+                continue
+            new_blocks = summaries[row, :, have : wanted[row]].detach().float().cpu().numpy()
+            for head in range(g):
+                self.graphs[row][head].add(new_blocks[head])
+            self.block_ids[row] = np.concatenate([self.block_ids[row], np.arange(have, wanted[row])])
+
+    def select(self, group_queries, summaries, limits, top_n):
+        """Search each graph with k = top_n + (blocks past the query's own limit), then keep the
+        first top_n labels that are candidates for that query: exact when the graph's recall is 1.
+        """
+        self.add_candidates(summaries, limits)
+        b, g, s, _ = group_queries.shape
+        block_ids = torch.zeros(b, g, s, top_n, dtype=torch.long)
+        valid = torch.zeros(b, g, s, top_n, dtype=torch.bool)
+        if top_n == 0:
+            return block_ids.to(group_queries.device), valid.to(group_queries.device)
+        queries = group_queries.detach().float().cpu().numpy()
+        limits_np = limits.cpu().numpy()
+        for row in range(b):
+            stored = len(self.block_ids[row])
+            if stored == 0:
+                continue
+            extra = int(stored - limits_np[row].min())
+            for head in range(g):
+                labels = self.graphs[row][head].search(queries[row, head], top_n + extra)
+                found = np.where(labels >= 0, self.block_ids[row][np.maximum(labels, 0)], np.iinfo(np.int64).max)
+                keep = found < limits_np[row][:, None]
+                rank = np.cumsum(keep, axis=1)
+                keep &= rank <= top_n
+                query_index, slot = np.nonzero(keep)
+                column = rank[query_index, slot] - 1
+                block_ids[row, head, query_index, column] = torch.from_numpy(found[query_index, slot])
+                valid[row, head, query_index, column] = True
+        return block_ids.to(group_queries.device), valid.to(group_queries.device)
+
+
+class AutoRetriever:
+    """Exact scoring while candidates are few, HNSW once a query has `threshold` or more of them."""
+
+    def __init__(self, threshold, m, ef_construction, ef_search):
+        self.threshold = threshold
+        self.hnsw = HnswRetriever(m, ef_construction, ef_search)
+
+    def add_candidates(self, summaries, limits):
+        if int(limits.max()) >= self.threshold:
+            self.hnsw.add_candidates(summaries, limits)
+
+    def select(self, group_queries, summaries, limits, top_n):
+        if int(limits.max()) >= self.threshold:
+            return self.hnsw.select(group_queries, summaries, limits, top_n)
+        return exact_select(group_queries, summaries, limits, top_n)
+
+
+def build_retriever(config, kind=None):
+    kind = kind or config.ann_retrieval
+    hnsw_settings = (config.hnsw_m, config.hnsw_ef_construction, config.hnsw_ef_search)
+    if kind == "exact":
+        return ExactRetriever()
+    if kind == "hnsw":
+        return HnswRetriever(*hnsw_settings)
+    if kind == "auto":
+        return AutoRetriever(config.ann_auto_threshold, *hnsw_settings)
+    raise ValueError(f"unknown retrieval {kind!r}; choose exact, hnsw or auto")

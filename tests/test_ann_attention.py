@@ -1,0 +1,223 @@
+"""ANN attention against a naive reference built from the definition (model/ann_attention.py)."""
+
+import itertools
+
+import pytest
+import torch
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from model.ann_attention import AnnAttention
+
+
+def reference_mask(q, k, window, block_size, top_n):
+    """The definition, spelled out: (b, g, t_query, t_key) boolean mask of the keys each query sees."""
+    b, h, length, d = q.shape
+    g = k.shape[1]
+    positions = torch.arange(length)
+    query_pos, key_pos = positions[:, None], positions[None, :]
+    window_mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    num_blocks = length // block_size
+    mask = window_mask.expand(b, g, length, length).clone()
+    if num_blocks == 0 or top_n == 0:
+        return mask
+    summaries = k[:, :, : num_blocks * block_size].reshape(b, g, num_blocks, block_size, d).mean(3)
+    group_queries = q.reshape(b, g, h // g, length, d).sum(2)
+    scores = group_queries @ summaries.transpose(-1, -2)
+    block_starts = torch.arange(num_blocks) * block_size
+    is_candidate = block_starts[None, :] <= query_pos - window
+    scores = scores.masked_fill(~is_candidate, float("-inf"))
+    for row, head, t in itertools.product(range(b), range(g), range(length)):
+        count = int(is_candidate[t].sum())
+        for block in scores[row, head, t].topk(min(top_n, count)).indices.tolist() if count else []:
+            keys = torch.arange(block * block_size, (block + 1) * block_size)
+            mask[row, head, t, keys[keys <= t - window]] = True
+    return mask
+
+
+def reference_attention(q, k, v, window, block_size, top_n):
+    b, h, length, d = q.shape
+    groups = h // k.shape[1]
+    mask = reference_mask(q.detach(), k.detach(), window, block_size, top_n).repeat_interleave(groups, dim=1)
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    logits = (q @ k.transpose(-1, -2)) / d**0.5
+    return logits.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def make_core(heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8):
+    config = MiniMindConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=1,
+        attn_impl="ann",
+        ann_window=window,
+        ann_block_size=block_size,
+        ann_top_n=top_n,
+        ann_retrieval=retrieval,
+    )
+    return AnnAttention(config)
+
+
+def random_qkv(batch, heads, kv_heads, length, head_dim=8, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, head_dim, generator=generator, dtype=dtype)
+    k = torch.randn(batch, kv_heads, length, head_dim, generator=generator, dtype=dtype)
+    v = torch.randn(batch, kv_heads, length, head_dim, generator=generator, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+BLOCK = 8
+GRID = list(
+    itertools.product(
+        [1, BLOCK - 1, BLOCK, 3 * BLOCK + 5, 512],  # seq_len
+        [(BLOCK, BLOCK), (4 * BLOCK, BLOCK), (8, 4)],  # (window, block size)
+        [0, 1, 3, 10_000],  # top_n; 10_000 covers every candidate
+        [(4, 4), (4, 2)],  # (heads, kv heads): MHA and GQA
+        [1, 3],  # batch
+    )
+)
+
+
+@pytest.mark.parametrize("length,window_block,top_n,heads,batch", GRID)
+def test_matches_reference_outputs_and_gradients(length, window_block, top_n, heads, batch):
+    window, block_size = window_block
+    num_heads, kv_heads = heads
+    core = make_core(num_heads, kv_heads, window, block_size, top_n)
+    q, k, v = random_qkv(batch, num_heads, kv_heads, length, seed=length + top_n)
+    out = core(q, k, v, None, None, None)
+    expected = reference_attention(q, k, v, window, block_size, top_n)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (q, k, v))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_top_n_covering_every_candidate_is_dense_attention(heads):
+    num_heads, kv_heads = heads
+    q, k, v = random_qkv(2, num_heads, kv_heads, 300, dtype=torch.float32)
+    out = make_core(num_heads, kv_heads, 16, 8, 10_000)(q, k, v, None, None, None)
+    groups = num_heads // kv_heads
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+    )
+    assert (out - dense).abs().max().item() <= 1e-5
+
+
+def test_tiled_path_equals_dense_when_blocks_cover_all():
+    """The tiled path itself (not the dense shortcut): force it with top_n just below coverage."""
+    q, k, v = random_qkv(1, 4, 2, 600)
+    core = make_core(4, 2, 16, 8, 72)
+    assert not core.covers_everything(599)
+    out = core(q, k, v, None, None, None)
+    dense = reference_attention(q, k, v, 10**9, 8, 0)
+    # Only the last queries miss blocks; everything earlier is exactly dense.
+    last_full = 16 + 72 * 8
+    torch.testing.assert_close(out[:, :, :last_full], dense[:, :, :last_full], atol=1e-10, rtol=1e-10)
+
+
+def test_causality():
+    core = make_core(4, 2, 16, 8, 2)
+    q, k, v = random_qkv(2, 4, 2, 200)
+    out = core(q, k, v, None, None, None)
+    cut = 97
+    q2, k2, v2 = (x.detach().clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, cut + 1 :] = torch.randn_like(x[:, :, cut + 1 :])
+    out2 = core(q2, k2, v2, None, None, None)
+    torch.testing.assert_close(out[:, :, : cut + 1], out2[:, :, : cut + 1], atol=0, rtol=0)
+
+
+def test_heads_are_not_flattened_into_one_softmax():
+    core = make_core(4, 2, 16, 8, 2)
+    q, k, v = random_qkv(1, 4, 2, 120)
+    out = core(q, k, v, None, None, None)
+    assert not torch.allclose(out[:, 0], out[:, 1])
+    assert not torch.allclose(out[:, 0], out[:, 2])
+
+
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
+@pytest.mark.parametrize("chunks", [[1] * 90, [37, 1, 1, 20, 31], [90]])
+def test_cached_prefill_and_decode_equal_full_pass(retrieval, chunks):
+    core = make_core(4, 2, 16, 8, 2, retrieval=retrieval)
+    q, k, v = random_qkv(2, 4, 2, 90)
+    full = core(q, k, v, None, None, None)
+    cache = core.new_layer_cache()
+    outputs, begin = [], 0
+    for size in chunks:
+        starts = torch.full((2,), begin)
+        sl = slice(begin, begin + size)
+        outputs.append(core(q[:, :, sl], k[:, :, sl], v[:, :, sl], starts, starts + size, cache))
+        begin += size
+    torch.testing.assert_close(torch.cat(outputs, dim=2), full, atol=1e-10, rtol=1e-10)
+
+
+def ann_model(retrieval="exact", **overrides):
+    torch.manual_seed(0)
+    settings = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        attn_impl="ann",
+        ann_window=16,
+        ann_block_size=8,
+        ann_top_n=2,
+        ann_retrieval=retrieval,
+        ann_auto_threshold=4,
+    )
+    settings.update(overrides)
+    return MiniMindForCausalLM(MiniMindConfig(**settings)).eval()
+
+
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
+def test_model_full_forward_equals_step_by_step_decoding(retrieval):
+    model = ann_model(retrieval)
+    input_ids = torch.randint(3, 300, (2, 120))
+    full = model(input_ids).logits
+    cache = model.new_cache()
+    steps = [model(input_ids[:, :40], cache=cache, use_cache=True).logits]
+    for position in range(40, 120):
+        steps.append(model(input_ids[:, position : position + 1], cache=cache, use_cache=True).logits)
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-4
+    prompt = input_ids[:, :100]
+    greedy = model.generate(prompt, max_new_tokens=40, eos_token_id=-1)
+    reference = prompt
+    for _ in range(40):
+        next_token = model(reference).logits[:, -1].argmax(-1, keepdim=True)
+        reference = torch.cat([reference, next_token], dim=1)
+    assert torch.equal(greedy, reference)
+
+
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
+def test_left_padded_batch_and_changing_batch_size(retrieval):
+    model = ann_model(retrieval)
+    long_row = torch.randint(3, 300, (1, 90))
+    short_row = torch.randint(3, 300, (1, 61))
+    batch = torch.cat([long_row, torch.cat([torch.zeros(1, 29, dtype=torch.long), short_row], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :29] = 0
+    padded = model.generate(batch, attention_mask=mask, max_new_tokens=30, eos_token_id=-1)
+    alone_long = model.generate(long_row, max_new_tokens=30, eos_token_id=-1)
+    alone_short = model.generate(short_row, max_new_tokens=30, eos_token_id=-1)
+    assert torch.equal(padded[0, 90:], alone_long[0, 90:])
+    assert torch.equal(padded[1, 90:], alone_short[0, 61:])
+    triple = model.generate(torch.cat([long_row] * 3), max_new_tokens=5, eos_token_id=-1)
+    assert torch.equal(triple[2], alone_long[0, :95])
+
+
+def test_bf16_autocast_forward_backward_and_generation():
+    model = ann_model("hnsw")
+    input_ids = torch.randint(3, 300, (2, 100))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids, labels=input_ids)
+        out.loss.backward()
+        tokens = model.generate(input_ids[:, :80], max_new_tokens=8)
+    assert torch.isfinite(out.loss)
+    assert tokens.shape == (2, 88)
+    model_bf16 = ann_model("hnsw").to(torch.bfloat16)
+    assert torch.isfinite(model_bf16(input_ids).logits.float()).all()
+    assert model_bf16.generate(input_ids[:, :80], max_new_tokens=8).shape == (2, 88)

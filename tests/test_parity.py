@@ -1,0 +1,97 @@
+"""Parity with transformers' LlamaForCausalLM, component by component, with the same weights."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from model.model import rope_cos_sin
+
+TOLERANCE = 1e-4
+
+
+def build_pair(num_kv_heads):
+    torch.manual_seed(0)
+    config = MiniMindConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads, vocab_size=300
+    )
+    ours = MiniMindForCausalLM(config).eval()
+    reference_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    reference_config._attn_implementation = "sdpa"
+    reference = LlamaForCausalLM(reference_config).eval()
+    missing, unexpected = reference.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    reference.tie_weights()
+    assert torch.equal(reference.lm_head.weight, ours.lm_head.weight)
+    return ours, reference
+
+
+@pytest.fixture(params=[4, 2, 1], ids=["mha", "gqa", "mqa"])
+def pair(request):
+    return build_pair(request.param)
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def test_rmsnorm_rope_mlp(pair):
+    ours, reference = pair
+    x = torch.randn(2, 11, 64)
+    assert max_diff(ours.model.norm(x), reference.model.norm(x)) <= TOLERANCE
+    assert max_diff(ours.model.layers[0].mlp(x), reference.model.layers[0].mlp(x)) <= TOLERANCE
+    positions = torch.arange(11)[None].expand(2, 11)
+    cos, sin = rope_cos_sin(positions, ours.config.head_dim, ours.config.rope_theta, torch.float32)
+    ref_cos, ref_sin = reference.model.rotary_emb(x, positions)
+    assert max_diff(cos[:, 0], ref_cos) <= TOLERANCE and max_diff(sin[:, 0], ref_sin) <= TOLERANCE
+
+
+def test_attention_and_block(pair):
+    ours, reference = pair
+    x = torch.randn(2, 13, 64)
+    positions = torch.arange(13)[None].expand(2, 13)
+    cos, sin = rope_cos_sin(positions, ours.config.head_dim, ours.config.rope_theta, torch.float32)
+    ref_rope = reference.model.rotary_emb(x, positions)
+    ours_attention = ours.model.layers[0].self_attn(x, cos, sin, None, None, None)
+    ref_attention, _ = reference.model.layers[0].self_attn(x, position_embeddings=ref_rope, attention_mask=None)
+    assert max_diff(ours_attention, ref_attention) <= TOLERANCE
+    ours_block = ours.model.layers[0](x, cos, sin, None, None, None)
+    ref_block = reference.model.layers[0](x, attention_mask=None, position_embeddings=ref_rope)
+    assert max_diff(ours_block, ref_block) <= TOLERANCE
+
+
+def test_full_model_logits_and_greedy_generation(pair):
+    ours, reference = pair
+    input_ids = torch.randint(3, 300, (2, 24))
+    assert max_diff(ours(input_ids).logits, reference(input_ids).logits) <= TOLERANCE
+    ours_tokens = ours.generate(input_ids[:1], max_new_tokens=32, eos_token_id=-1)
+    ref_tokens = reference.generate(input_ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(ours_tokens, ref_tokens)
+
+
+def test_left_padded_batch_matches_unpadded_rows(pair):
+    ours, _ = pair
+    long_row = torch.randint(3, 300, (1, 12))
+    short_row = torch.randint(3, 300, (1, 7))
+    batch = torch.cat([long_row, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_row], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    padded = ours.generate(batch, attention_mask=mask, max_new_tokens=10, eos_token_id=-1)[:, 12:]
+    assert torch.equal(padded[0], ours.generate(long_row, max_new_tokens=10, eos_token_id=-1)[0, 12:])
+    assert torch.equal(padded[1], ours.generate(short_row, max_new_tokens=10, eos_token_id=-1)[0, 7:])
+    logits = ours(batch, attention_mask=mask).logits
+    assert max_diff(logits[1, 5:], ours(short_row).logits[0]) <= TOLERANCE
