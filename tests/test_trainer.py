@@ -1,0 +1,208 @@
+"""The shared training loop (trainer/trainer_utils.py) through its two stage scripts.
+
+Runs go in-process where possible (a subprocess pays ~4 s of imports); the kill test and one
+as-a-file check need real subprocesses. All runs use a ~0.5M-parameter model on tiny JSONL files,
+single-threaded, so in-process and subprocess runs compute bitwise the same numbers.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import MiniMindForCausalLM
+from trainer import train_full_sft, train_pretrain
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMALL_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64"]
+PEOPLE = [("Alice", "Paris", "France"), ("Bruno", "Rome", "Italy"), ("Chen", "Beijing", "China"),
+          ("Dana", "Madrid", "Spain"), ("Emil", "Berlin", "Germany"), ("Fumi", "Tokyo", "Japan")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Module scope, so it is in force before the module-scoped runs below too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    texts = [
+        f"{name} lives in {city}. {city} is the capital of {country}. {name} is {20 + 3 * i + j} years old."
+        for j in range(8)
+        for i, (name, city, country) in enumerate(PEOPLE)
+    ]
+    write_jsonl(folder / "pretrain.jsonl", [{"text": text} for text in texts])
+    chats = [
+        {"conversations": [{"role": "user", "content": f"Where does {name} live?"},
+                           {"role": "assistant", "content": f"{name} lives in {city}, the capital of {country}."}]}
+        for name, city, country in PEOPLE * 4
+    ]
+    write_jsonl(folder / "sft.jsonl", chats)
+    return folder
+
+
+def run_stage(script, out_dir, data_path, *extra):
+    """Run a stage in this process; returns its exit code (0 when main returns)."""
+    argv = ["--out_dir", str(out_dir), "--data_path", str(data_path), *SMALL_MODEL, "--log_interval", "1"]
+    argv += ["--accumulation_steps", "1", *extra]  # later flags win
+    try:
+        script.main(script.STAGE, argv)
+    except SystemExit as exit:
+        return exit.code
+    return 0
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic_fields(records):
+    return [{key: r[key] for key in ("step", "epoch", "loss", "lr", "tokens_seen")} for r in records]
+
+
+@pytest.fixture(scope="module")
+def pretrained(data_dir, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("pretrain")
+    code = run_stage(
+        train_pretrain, out_dir, data_dir / "pretrain.jsonl",
+        "--batch_size", "8", "--learning_rate", "2e-3", "--epochs", "8", "--save_interval", "20",
+    )
+    assert code == 0
+    return out_dir
+
+
+def test_short_pretrain_run_lowers_loss_and_writes_outputs(pretrained, capsys):
+    records = read_metrics(pretrained)
+    assert [r["step"] for r in records] == list(range(1, 49))  # 48 samples / 8 = 6 steps x 8 epochs
+    assert records[-1]["loss"] < records[0]["loss"] - 2.0
+    assert records[-1]["tokens_seen"] > records[0]["tokens_seen"] > 0
+    assert (pretrained / "loss.png").stat().st_size > 0
+    assert sorted(p.name for p in (pretrained / "checkpoints").glob("*.pt")) == ["step_0000040.pt", "step_0000048.pt"]
+    model = MiniMindForCausalLM.from_pretrained(pretrained / "model")
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+    assert (pretrained / "model" / "tokenizer.json").exists()
+
+
+def test_sft_starts_from_pretrained_weights(pretrained, data_dir, tmp_path):
+    common = ("--batch_size", "8", "--epochs", "1", "--learning_rate", "1e-3")
+    assert run_stage(train_full_sft, tmp_path / "fresh", data_dir / "sft.jsonl", *common) == 0
+    assert run_stage(train_full_sft, tmp_path / "sft", data_dir / "sft.jsonl", "--from_weight",
+                     str(pretrained / "model"), *common) == 0
+    fresh, tuned = read_metrics(tmp_path / "fresh"), read_metrics(tmp_path / "sft")
+    assert [r["step"] for r in tuned] == [1, 2, 3]
+    # A model that has already read these names and cities predicts the answers far better than random init.
+    assert tuned[0]["loss"] < fresh[0]["loss"] - 2.0
+    assert MiniMindForCausalLM.from_pretrained(tmp_path / "sft" / "model").config.hidden_size == 64
+
+
+def test_resume_after_sigkill_is_bitwise_exact(data_dir, tmp_path):
+    # 48 samples, 4 x 2 accumulation -> 6 steps per epoch; 36 steps cross five epoch boundaries.
+    data = data_dir / "pretrain.jsonl"
+    flags = ["--batch_size", "4", "--accumulation_steps", "2", "--epochs", "6", "--save_interval", "4"]
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    assert run_stage(train_pretrain, reference_dir, data, *flags) == 0
+    reference = read_metrics(reference_dir)
+    assert len(reference) == 36
+
+    command = [sys.executable, "-m", "trainer.train_pretrain", "--out_dir", str(killed_dir), "--data_path", str(data),
+               *SMALL_MODEL, "--log_interval", "1", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics_path = killed_dir / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and process.poll() is None:
+        if metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 11:
+            break
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    killed_at = len(read_metrics(killed_dir))
+    assert 11 <= killed_at < 36
+
+    assert run_stage(train_pretrain, killed_dir, data, *flags, "--from_resume", "1") == 0
+    assert deterministic_fields(read_metrics(killed_dir)) == deterministic_fields(reference)
+
+
+def test_corrupt_latest_checkpoint_is_skipped(data_dir, tmp_path, capsys):
+    data = data_dir / "pretrain.jsonl"
+    args = ("--batch_size", "8", "--epochs", "4", "--max_steps", "12")
+    args += ("--save_interval", "4", "--keep_checkpoints", "3")
+    assert run_stage(train_pretrain, tmp_path, data, *args) == 0
+    original = read_metrics(tmp_path)
+    latest = tmp_path / "checkpoints" / "step_0000012.pt"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # a write cut short
+    capsys.readouterr()
+
+    assert run_stage(train_pretrain, tmp_path, data, *args, "--from_resume", "1") == 0
+    output = capsys.readouterr()
+    assert "skipping unreadable checkpoint" in output.err and "step_0000012.pt" in output.err
+    assert "resumed from" in output.out and "step_0000008.pt" in output.out
+    assert (tmp_path / "checkpoints" / "step_0000012.pt.corrupt").exists()
+    # Steps 9-12 are trained again from step 8 and come out the same.
+    assert deterministic_fields(read_metrics(tmp_path)) == deterministic_fields(original)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch_size", "0"], "--batch_size must be >= 1"),
+        (["--max_steps", "0"], "--max_steps must be -1"),
+        (["--epochs", "-1"], "--epochs must be >= 1"),
+        (["--learning_rate", "-1"], "--learning_rate must be a positive number"),
+        (["--attn", "sparse"], "attn_impl must be one of"),
+        (["--hidden_size", "60"], "must divide hidden_size"),
+        (["--from_weight", "no/such/folder"], "not a saved model folder"),
+        (["--use_wandb"], "wandb"),
+    ],
+)
+def test_bad_arguments_exit_2_before_reading_data(flags, message, tmp_path, capsys):
+    if flags == ["--use_wandb"] and importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is installed")
+    # The data file is broken too: had it been read, the error would be about line 1.
+    bad_data = tmp_path / "broken.jsonl"
+    bad_data.write_text("{not json\n")
+    assert run_stage(train_pretrain, tmp_path / "out", bad_data, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_argument_as_a_script_has_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "trainer/train_full_sft.py", "--attn", "sparse", "--out_dir", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "attn_impl must be one of" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_non_finite_loss_stops_with_exit_3(data_dir, tmp_path, capsys):
+    code = run_stage(
+        train_pretrain, tmp_path, data_dir / "pretrain.jsonl",
+        "--batch_size", "8", "--learning_rate", "1e30", "--max_steps", "10", "--save_interval", "1",
+    )
+    assert code == 3
+    err = capsys.readouterr().err
+    records = read_metrics(tmp_path)
+    bad_step = len(records) + 1
+    assert f"non-finite loss (nan) at step {bad_step}" in err or f"non-finite loss (inf) at step {bad_step}" in err
+    last_good = tmp_path / "checkpoints" / f"step_{bad_step - 1:07d}.pt"
+    assert f"Last good checkpoint: {last_good}" in err and last_good.exists()
+    assert not (tmp_path / "model").exists()
