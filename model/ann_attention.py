@@ -31,6 +31,9 @@ from .retrieval import build_retriever, candidate_count
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256
+# Up to this many queries from position 0, the selection becomes a boolean mask for SDPA's fused
+# kernel: O(s^2) mask bits but no per-query key copies. Beyond it, tiles of gathered keys win.
+MASKED_SDPA_MAX_LEN = 2048
 
 
 def group_query_sum(q, kv_heads):
@@ -93,6 +96,22 @@ def attend_tile(q, query_positions, slab_k, slab_v, slab_positions, block_k, blo
     window_weights, block_weights = weights.split([window_logits.shape[-1], block_logits.shape[-1]], dim=-1)
     out = (window_weights.reshape(b, g, r * tile_len, -1) @ slab_v).view(q.shape)
     return out + (block_weights.permute(0, 1, 3, 2, 4) @ block_v).permute(0, 1, 3, 2, 4)
+
+
+def selection_mask(block_ids, valid, length, window, block_size):
+    """The keys each query of a sequence from position 0 sees, as a mask.
+
+    block_ids/valid (b, g, s, n) -> (b, g, s, s) bool: window keys plus selected keys older than it.
+    """
+    positions = torch.arange(length, device=block_ids.device)
+    offset = positions[None, :] - positions[:, None]
+    in_window = (offset <= 0) & (offset > -window)
+    num_blocks = -(-length // block_size)
+    # Invalid slots all point at one extra column, so they never overwrite a real selection.
+    selected = torch.zeros(*block_ids.shape[:3], num_blocks + 1, dtype=torch.bool, device=block_ids.device)
+    selected.scatter_(3, block_ids.masked_fill(~valid, num_blocks), True)
+    selected_keys = selected[..., :num_blocks].repeat_interleave(block_size, dim=3)[..., :length]
+    return in_window | (selected_keys & (offset <= -window))
 
 
 class AnnLayerCache(KVBuffer):
@@ -163,6 +182,8 @@ class AnnAttention:
             summaries = layer_cache.update_summaries(first, ends, self.block_size)
 
         group_queries = group_query_sum(q.detach(), self.kv_heads)
+        if s <= MASKED_SDPA_MAX_LEN and bool((first == 0).all()):
+            return self.masked_sdpa(q, keys[:, :, :s], values[:, :, :s], group_queries, summaries, retriever, ends)
         grouped_q = q.view(b, self.kv_heads, h // self.kv_heads, s, d)
         tiles = []
         for tile_begin in range(0, s, QUERY_TILE):
@@ -197,3 +218,18 @@ class AnnAttention:
                 )
             )
         return torch.cat(tiles, dim=3).reshape(b, h, s, d)
+
+    def masked_sdpa(self, q, keys, values, group_queries, summaries, retriever, ends):
+        """Whole sequences from position 0: select every query's blocks at once, run fused SDPA."""
+        b, h, s, d = q.shape
+        positions = torch.arange(s, device=q.device).expand(b, s)
+        limits = candidate_count(torch.minimum(positions, ends[:, None] - 1), self.window, self.block_size)
+        with torch.no_grad():
+            block_ids, valid = retriever.select(group_queries, summaries, limits, self.top_n)
+            mask = selection_mask(block_ids, valid, s, self.window, self.block_size)
+        groups = h // self.kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+            mask = mask[:, :, None].expand(b, self.kv_heads, groups, s, s).reshape(b, h, s, s)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)

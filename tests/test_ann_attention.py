@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
+from model import ann_attention
 from model.ann_attention import AnnAttention
 
 
@@ -78,8 +79,17 @@ GRID = list(
 )
 
 
+@pytest.fixture(params=["masked_sdpa", "tiled"])
+def path(request, monkeypatch):
+    """Both implementations of the full-sequence pass: selection mask + SDPA, and gathered tiles."""
+    if request.param == "tiled":
+        monkeypatch.setattr(ann_attention, "MASKED_SDPA_MAX_LEN", 0)
+        monkeypatch.setattr(ann_attention, "QUERY_TILE", 64)
+    return request.param
+
+
 @pytest.mark.parametrize("length,window_block,top_n,heads,batch", GRID)
-def test_matches_reference_outputs_and_gradients(length, window_block, top_n, heads, batch):
+def test_matches_reference_outputs_and_gradients(path, length, window_block, top_n, heads, batch):
     window, block_size = window_block
     num_heads, kv_heads = heads
     core = make_core(num_heads, kv_heads, window, block_size, top_n)
@@ -106,7 +116,7 @@ def test_top_n_covering_every_candidate_is_dense_attention(heads):
     assert (out - dense).abs().max().item() <= 1e-5
 
 
-def test_tiled_path_equals_dense_when_blocks_cover_all():
+def test_tiled_path_equals_dense_when_blocks_cover_all(path):
     """The tiled path itself (not the dense shortcut): force it with top_n just below coverage."""
     q, k, v = random_qkv(1, 4, 2, 600)
     core = make_core(4, 2, 16, 8, 72)
@@ -118,7 +128,7 @@ def test_tiled_path_equals_dense_when_blocks_cover_all():
     torch.testing.assert_close(out[:, :, :last_full], dense[:, :, :last_full], atol=1e-10, rtol=1e-10)
 
 
-def test_causality():
+def test_causality(path):
     core = make_core(4, 2, 16, 8, 2)
     q, k, v = random_qkv(2, 4, 2, 200)
     out = core(q, k, v, None, None, None)
@@ -140,7 +150,7 @@ def test_heads_are_not_flattened_into_one_softmax():
 
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
 @pytest.mark.parametrize("chunks", [[1] * 90, [37, 1, 1, 20, 31], [90]])
-def test_cached_prefill_and_decode_equal_full_pass(retrieval, chunks):
+def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks):
     core = make_core(4, 2, 16, 8, 2, retrieval=retrieval)
     q, k, v = random_qkv(2, 4, 2, 90)
     full = core(q, k, v, None, None, None)
@@ -174,7 +184,7 @@ def ann_model(retrieval="exact", **overrides):
 
 
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
-def test_model_full_forward_equals_step_by_step_decoding(retrieval):
+def test_model_full_forward_equals_step_by_step_decoding(path, retrieval):
     model = ann_model(retrieval)
     input_ids = torch.randint(3, 300, (2, 120))
     full = model(input_ids).logits
