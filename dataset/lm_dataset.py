@@ -385,24 +385,23 @@ class SFTDataset(JsonlDataset):
 def resolve_data_path(stage: str, data_path=None, dataset_dir=DATASET_DIR) -> Path:
     """The data file for a training stage ("pretrain" | "sft").
 
-    data_path when it exists; otherwise the first existing of dataset/{minimind2 name},
-    dataset/{minimind-3 name}, dataset/sample/{same names}. Raises FileNotFoundError saying how
-    to get data when there is none.
+    An explicit data_path must exist (a typo never silently trains on other data). Without one,
+    the first existing of dataset/{minimind2 name}, dataset/{minimind-3 name}, dataset/sample/{same
+    names}. Raises FileNotFoundError saying how to get data when there is none.
     """
     if stage not in DATA_FILE_NAMES:
         raise ValueError(f"unknown stage {stage!r} (expected one of: {', '.join(DATA_FILE_NAMES)})")
-    if data_path is not None and Path(data_path).exists():
+    if data_path is not None:
+        if not Path(data_path).is_file():
+            raise FileNotFoundError(f"{data_path}: file not found")
         return Path(data_path)
     dataset_dir = Path(dataset_dir)
     names = DATA_FILE_NAMES[stage]
     candidates = [dataset_dir / name for name in names] + [dataset_dir / "sample" / name for name in names]
     for candidate in candidates:
         if candidate.is_file():
-            if data_path is not None:
-                print(f"warning: {data_path} not found; using {candidate}", file=sys.stderr)
             return candidate
     looked_in = ", ".join(str(candidate) for candidate in candidates)
-    given = f"{data_path} not found; " if data_path is not None else ""
-    raise FileNotFoundError(f"{given}no {stage} data found (looked for {looked_in}). Make small sample data "
+    raise FileNotFoundError(f"no {stage} data found (looked for {looked_in}). Make small sample data "
                             f"with `python scripts/make_sample_data.py` or download the real data "
                             f"with `python scripts/download_data.py`.")

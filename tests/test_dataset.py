@@ -299,7 +299,7 @@ def test_forked_dataloader_workers_read_the_same_items(tmp_path, tokenizer):
 
 # ----------------------------------------------------------------------------- resolve_data_path
 
-def test_resolve_data_path_search_order(tmp_path, capsys):
+def test_resolve_data_path_search_order(tmp_path):
     (tmp_path / "sample").mkdir()
     order = [tmp_path / "pretrain_hq.jsonl", tmp_path / "pretrain_t2t_mini.jsonl",
              tmp_path / "sample" / "pretrain_hq.jsonl", tmp_path / "sample" / "pretrain_t2t_mini.jsonl"]
@@ -314,9 +314,8 @@ def test_resolve_data_path_search_order(tmp_path, capsys):
     explicit = tmp_path / "mine.jsonl"
     explicit.write_text("{}\n")
     assert resolve_data_path("sft", explicit, dataset_dir=tmp_path) == explicit
-    assert resolve_data_path("sft", tmp_path / "typo.jsonl", dataset_dir=tmp_path) == \
-        tmp_path / "sample" / "sft_t2t_mini.jsonl"
-    assert "typo.jsonl not found; using" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match=r"typo\.jsonl: file not found"):
+        resolve_data_path("sft", tmp_path / "typo.jsonl", dataset_dir=tmp_path)
 
 
 def test_resolve_data_path_without_data_says_how_to_get_it(tmp_path):

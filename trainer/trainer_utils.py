@@ -7,10 +7,12 @@ and calls `main(stage)`. Everything else lives here, top to bottom:
     model, data, optimizer -> optional resume -> loop -> final checkpoint, model, plot, report.
 
 Exact resume. The data order of an epoch is a permutation drawn from (seed, epoch), and a checkpoint
-records how many micro-batches of that epoch this rank has consumed, together with model,
+records how many samples of that order all ranks together have consumed, together with model,
 optimizer, scaler and every RNG state. A run killed at any point and restarted with
 `--from_resume 1` therefore replays the same batches with the same weights: on CPU in one process
-its losses are bitwise equal to an uninterrupted run.
+its losses are bitwise equal to an uninterrupted run. Counted in samples, the position also
+carries over to another number of processes: with the same global batch (--batch_size x processes)
+the batches are the same and the losses equal up to float rounding.
 
 Exit codes: 0 done (also when --max_minutes stops early), 2 bad arguments or bad data,
 3 non-finite loss (the last good checkpoint is kept).
@@ -89,7 +91,7 @@ def parse_args(stage, argv=None):
     p.add_argument("--preset", default=None, help="tiny | small | base (default tiny, or the --from_weight model)")
     p.add_argument("--hidden_size", type=int, default=None, help="overrides the preset")
     p.add_argument("--num_hidden_layers", type=int, default=None, help="overrides the preset")
-    p.add_argument("--attn", default=None, help="dense | ann (default dense, or the --from_weight model's)")
+    p.add_argument("--attn", default=None, help="ann | dense (default ann, or the --from_weight model's)")
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
     p.add_argument("--ann_top_n", type=int, default=None)
@@ -138,7 +140,7 @@ def validate_args(args):
 def build_config(args):
     """The model config from --preset/--hidden_size/... or from the --from_weight folder; ValueError -> UsageError."""
     attention = dict(
-        attn_impl=args.attn,
+        attn_impl=args.attn if args.attn or args.from_weight != "none" else "ann",
         ann_window=args.ann_window,
         ann_block_size=args.ann_block_size,
         ann_top_n=args.ann_top_n,
@@ -198,12 +200,15 @@ class EpochPlan:
     Like DistributedSampler, the permutation is padded by wrapping so all ranks get the same
     number of micro-batches (an uneven count would hang DDP); unlike it, the order is a pure
     function of (seed, epoch), so a checkpoint only has to store how far into it we are.
+    Micro-batch m of all ranks together is samples [m * B, (m + 1) * B) of the padded order, with
+    B = batch_size * world_size, whatever the world size.
     """
 
     def __init__(self, num_samples, batch_size, accumulation_steps, seed, rank, world_size):
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.per_rank = math.ceil(num_samples / world_size)
+        self.samples_per_micro_batch = batch_size * world_size  # all ranks together
         self.micro_batches = math.ceil(self.per_rank / batch_size)
         self.steps = math.ceil(self.micro_batches / accumulation_steps)
 
@@ -356,7 +361,7 @@ class Progress:
 
     step: int = 0  # optimizer steps done
     epoch: int = 0
-    position: int = 0  # micro-batches of this epoch this rank has consumed
+    samples: int = 0  # samples of this epoch's order consumed, all ranks together
     tokens_seen: int = 0  # supervised (label != -100) tokens, all ranks
     elapsed_s: float = 0.0  # training wall time of earlier runs (resume)
 
@@ -386,14 +391,16 @@ def resume(out_dir, args, model, optimizer, scaler, rank, world_size):
         scaler.load_state_dict(payload["scaler"])
     state = dict(payload["state"])
     saved_world_size = state.pop("world_size")
-    changed = [f"--{name}" for name in ("seed", "batch_size", "accumulation_steps", "max_seq_len", "data_path")
+    changed = [f"--{name}" for name in ("seed", "accumulation_steps", "max_seq_len", "data_path")
                if payload["args"][name] != getattr(args, name)]
+    if payload["args"]["batch_size"] * saved_world_size != args.batch_size * world_size:
+        changed.append("the global batch (--batch_size x processes)")
     if saved_world_size == world_size:
         restore_rng_states(payload["rng"][rank])
-    else:
-        changed.append("the number of processes")
+    elif model.config.dropout > 0:
+        changed.append("the number of processes (so the dropout draws)")
     if changed and rank == 0:
-        print(f"warning: {', '.join(changed)} differ from the checkpoint's; the data order will not continue exactly")
+        print(f"warning: {', '.join(changed)} differ from the checkpoint's; the run will not continue exactly")
     return path, Progress(**state)
 
 
@@ -502,17 +509,19 @@ def train(stage, args, config, rank, world_size, device):
     model.train()
     while progress.step < total_steps and progress.epoch < args.epochs and not stop_reason:
         batches = plan.batches(progress.epoch)
+        # Rounds down, repeating a few samples, only when the global batch differs from the checkpoint's.
+        position = progress.samples // plan.samples_per_micro_batch
         # An explicit generator keeps the DataLoader from drawing on the global torch RNG we checkpoint.
         loader = DataLoader(
             dataset,
-            batch_sampler=batches[progress.position :],
+            batch_sampler=batches[position:],
             num_workers=args.num_workers,
             pin_memory=device.type == "cuda",
             generator=torch.Generator(),
         )
         group_loss = torch.zeros((), device=device)
         group_tokens = torch.zeros((), device=device)
-        for micro_index, (input_ids, labels) in enumerate(loader, start=progress.position):
+        for micro_index, (input_ids, labels) in enumerate(loader, start=position):
             # Micro-batches group into optimizer steps of accumulation_steps; an epoch's last group may be short.
             group_start = micro_index - micro_index % args.accumulation_steps
             group_size = min(args.accumulation_steps, len(batches) - group_start)
@@ -550,7 +559,7 @@ def train(stage, args, config, rank, world_size, device):
             group_loss.zero_()
             group_tokens.zero_()
             progress.step += 1
-            progress.position = micro_index + 1
+            progress.samples = (micro_index + 1) * plan.samples_per_micro_batch
             progress.tokens_seen += int(summed[1])
             if summed[2] > 0:
                 stop_reason = f"--max_minutes {args.max_minutes} reached"
@@ -576,8 +585,8 @@ def train(stage, args, config, rank, world_size, device):
                 last_checkpoint, saved_step = save_now(), progress.step
             if stop_reason or progress.step >= total_steps:
                 break
-        if progress.position == len(batches):
-            progress.epoch, progress.position = progress.epoch + 1, 0
+        if progress.samples >= len(batches) * plan.samples_per_micro_batch:
+            progress.epoch, progress.samples = progress.epoch + 1, 0
     bar.close()
 
     if progress.step > 0 and saved_step != progress.step:

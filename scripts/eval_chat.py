@@ -1,0 +1,359 @@
+"""Talk to a trained MiniMind: score it on the preset prompts, answer one prompt, or chat.
+
+    python scripts/eval_chat.py                                   # preset prompts, out/sft/model
+    python scripts/eval_chat.py --mode chat --history_turns 2     # interactive; empty line or Ctrl-D quits
+    python scripts/eval_chat.py --prompt "What is 3 + 5?" --temperature 0
+    python scripts/eval_chat.py --load out/pretrain/checkpoints/step_0000100.pt --raw --prompt "Zorvia is"
+    python scripts/eval_chat.py --attn ann --retrieval hnsw        # same weights, ANN attention
+
+--load takes a saved model folder, an out dir (its model/ folder, else its newest checkpoint) or a
+checkpoint .pt written by the trainers. Attention settings change no weights, so --attn/--retrieval
+may switch any model between dense and ANN attention.
+
+Answers stream as they are generated. The prompt is the chat template over the system prompt, the
+last --history_turns exchanges and the new message; when it does not fit --max_context together
+with --max_new_tokens, the oldest exchanges go first, then the start of the new message.
+
+In chat mode, `/set temperature 0.5` (also top_p, top_k, max_new_tokens) changes a setting,
+`/clear` forgets the history and `/help` lists the commands; Ctrl-C stops the current answer.
+Exit codes: 0 done, 2 bad arguments or nothing loadable.
+"""
+
+import argparse
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from transformers import AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+from model.config import ATTN_IMPLS, RETRIEVERS, MiniMindConfig
+from model.model import MiniMindForCausalLM, check_sampling
+from scripts.make_sample_data import preset_prompts
+from trainer.trainer_utils import UsageError as TrainerUsageError, build_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TOKENIZER = REPO_ROOT / "model" / "tokenizer"
+DEFAULT_MODELS = (Path("out/sft/model"), Path("out/pretrain/model"))
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int}
+PLACEHOLDER = "\x00MESSAGE\x00"  # stands in for the user's message when the template is split around it
+
+
+class UsageError(Exception):
+    """Bad arguments or nothing to load: one line on stderr, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad flag in the same one-line form as every other usage error."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description="MiniMind chat and preset evaluation")
+    p.add_argument("--load", default=None, help="model folder, out dir or checkpoint .pt (default out/sft/model, "
+                   "else out/pretrain/model)")
+    p.add_argument("--mode", choices=["preset", "chat"], default="preset")
+    p.add_argument("--prompt", default=None, help="answer this one prompt and exit")
+    p.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template "
+                   "(for a pretrain-only model)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--history_turns", type=int, default=0, help="earlier exchanges kept in the prompt")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--max_context", type=int, default=None, help="prompt + answer tokens "
+                   "(default: the model's max_position_embeddings)")
+    p.add_argument("--temperature", type=float, default=0.85, help="0 = greedy")
+    p.add_argument("--top_p", type=float, default=0.85)
+    p.add_argument("--top_k", type=int, default=0, help="0 = no top-k cut")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--attn", choices=ATTN_IMPLS, default=None, help="override the model's attention")
+    p.add_argument("--retrieval", choices=RETRIEVERS, default=None, help="override the ANN block retrieval")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    try:
+        check_sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.history_turns < 0:
+        raise UsageError(f"--history_turns must be >= 0, got {args.history_turns}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device} requested but CUDA is not available")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def resolve_load_path(load):
+    """The saved model folder or checkpoint file that --load names."""
+    if load is None:
+        for folder in DEFAULT_MODELS:
+            if (folder / "config.json").is_file():
+                return folder
+        raise UsageError(f"no trained model found ({' or '.join(map(str, DEFAULT_MODELS))}); train one "
+                         "(trainer/train_pretrain.py, trainer/train_full_sft.py) or pass --load")
+    path = Path(load)
+    if path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path
+    if (path / "model" / "config.json").is_file():
+        return path / "model"
+    checkpoints = sorted((path / "checkpoints").glob("step_*.pt"), reverse=True)
+    if checkpoints:
+        return checkpoints[0]
+    raise UsageError(f"--load {load}: not a model folder, an out dir or a checkpoint file")
+
+
+def config_from_checkpoint(payload, path):
+    """Rebuild the config exactly as the trainer did, from the command line the checkpoint records."""
+    if not isinstance(payload, dict) or "model" not in payload or "args" not in payload:
+        raise UsageError(f"--load {path}: not a training checkpoint (no 'model' and 'args' entries)")
+    try:
+        return build_config(argparse.Namespace(**payload["args"]))
+    except (TrainerUsageError, AttributeError) as error:
+        raise UsageError(f"--load {path}: cannot rebuild the model config from the checkpoint ({error})") from None
+
+
+def load_model(path, attn, retrieval, device):
+    """(model in eval mode, tokenizer) from a model folder or a checkpoint, with attention overrides."""
+    try:
+        if path.is_dir():
+            config = MiniMindConfig.from_pretrained(path)
+            tokenizer_dir = path if (path / "tokenizer.json").is_file() else SHIPPED_TOKENIZER
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+            config = config_from_checkpoint(payload, path)
+            recorded = Path(payload["args"].get("tokenizer_path", ""))
+            tokenizer_dir = recorded if (recorded / "tokenizer.json").is_file() else SHIPPED_TOKENIZER
+        if attn is not None:
+            config.attn_impl = attn
+        if retrieval is not None:
+            config.ann_retrieval = retrieval
+        config.validate_settings()
+        if path.is_dir():
+            model = MiniMindForCausalLM.from_pretrained(path, config=config)
+        else:
+            model = MiniMindForCausalLM(config)
+            model.load_state_dict(payload["model"])
+    except UsageError:
+        raise
+    except Exception as error:  # unreadable file, wrong format, shapes that do not match the config
+        raise UsageError(f"--load {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return model.to(device).eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+class PromptBuilder:
+    """Token ids of the next prompt from the system prompt, history and message, cut to fit the context."""
+
+    def __init__(self, tokenizer, raw, system, max_context):
+        self.tokenizer, self.raw, self.system, self.max_context = tokenizer, raw, system, max_context
+
+    def encode(self, text):
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def around_message(self, history):
+        """(ids before the message, ids after it): the template split at the message."""
+        if self.raw:
+            return [self.tokenizer.bos_token_id], []
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        for user, assistant in history:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        messages.append({"role": "user", "content": PLACEHOLDER})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        before, after = text.split(PLACEHOLDER)
+        return self.encode(before), self.encode(after)
+
+    def build(self, message, history, max_new_tokens):
+        """(prompt ids, notes for the user); history: (user, assistant) pairs, oldest first.
+
+        The answer's max_new_tokens are reserved, so prompt and answer together fit max_context.
+        """
+        budget = self.max_context - max_new_tokens
+        message_ids, history, notes = self.encode(message), list(history), []
+        before, after = self.around_message(history)
+        dropped = 0
+        while history and len(before) + len(message_ids) + len(after) > budget:
+            history.pop(0)
+            dropped += 1
+            before, after = self.around_message(history)
+        if dropped:
+            notes.append(f"dropped the {dropped} oldest exchange(s) to fit the context")
+        room = budget - len(before) - len(after)
+        if room < 1:
+            raise UsageError(
+                f"no room for a prompt: of max_context {self.max_context} tokens, max_new_tokens reserves "
+                f"{max_new_tokens} for the answer and the template/system prompt take {len(before) + len(after)}"
+            )
+        if len(message_ids) > room:
+            notes.append(f"prompt too long: kept its last {room} of {len(message_ids)} tokens "
+                         f"(max_context {self.max_context} - max_new_tokens {max_new_tokens} leaves {budget})")
+            message_ids = message_ids[-room:]
+        return before + message_ids + after, notes
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def stream_answer(model, tokenizer, prompt_ids, sampling, out):
+    """Generate, printing text as it arrives; returns the answer text.
+
+    Each step decodes the whole answer and prints only what is new, holding back a trailing U+FFFD:
+    a Chinese character often spans several byte-level tokens and is undecodable until complete.
+    """
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    answer_ids, printed, first_token_s = [], "", None
+    start = time.perf_counter()
+    try:
+        for token in model.stream_generate(input_ids, eos_token_id=tokenizer.eos_token_id, **sampling):
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - start
+            if int(token) == tokenizer.eos_token_id:
+                break
+            answer_ids.append(int(token))
+            text = tokenizer.decode(answer_ids, skip_special_tokens=True).rstrip("\ufffd")
+            out.write(text[len(printed) :])
+            out.flush()
+            printed = text
+    except KeyboardInterrupt:
+        out.write(" [interrupted]")
+    elapsed = time.perf_counter() - start
+    text = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    out.write(text[len(printed) :] + "\n")
+    out.write(f"[{len(answer_ids)} tokens, {len(answer_ids) / max(elapsed, 1e-9):.1f} tokens/s, "
+              f"prompt {len(prompt_ids)} tokens, first token after {first_token_s or 0:.2f}s]\n")
+    return text
+
+
+class Session:
+    """The loaded model, the prompt builder, the sampling settings and the conversation so far."""
+
+    def __init__(self, model, tokenizer, builder, sampling, history_turns, out):
+        self.model, self.tokenizer, self.builder, self.out = model, tokenizer, builder, out
+        self.sampling = sampling
+        self.history = deque(maxlen=history_turns)
+
+    def say(self, text):
+        self.out.write(text + "\n")
+
+    def answer(self, message):
+        prompt_ids, notes = self.builder.build(message, self.history, self.sampling["max_new_tokens"])
+        for note in notes:
+            self.say(f"note: {note}")
+        self.out.write("🤖: ")
+        text = stream_answer(self.model, self.tokenizer, prompt_ids, self.sampling, self.out)
+        self.history.append((message, text))  # a deque of maxlen 0 keeps nothing
+        return text
+
+    def command(self, line):
+        """Handle a /command from the chat; a bad one says why and changes nothing."""
+        words = line.split()
+        if words == ["/clear"]:
+            self.history.clear()
+            self.say("history cleared")
+        elif len(words) == 3 and words[0] == "/set" and words[1] in SETTABLE:
+            name, kind = words[1], SETTABLE[words[1]]
+            try:
+                proposed = {**self.sampling, name: kind(words[2])}
+            except ValueError:
+                self.say(f"error: {name} takes {'an integer' if kind is int else 'a number'}, got {words[2]!r}")
+                return
+            try:
+                check_sampling(**proposed)
+                self.builder.build("", [], proposed["max_new_tokens"])  # still room for a prompt?
+            except (ValueError, UsageError) as error:
+                self.say(f"error: {error}; {name} stays {self.sampling[name]}")
+                return
+            self.sampling = proposed
+            self.say(f"{name} = {proposed[name]}")
+        else:
+            settings = ", ".join(f"{key}={value}" for key, value in self.sampling.items())
+            self.say(f"commands: /set {{{'|'.join(SETTABLE)}}} VALUE, /clear (forget the history), /help; "
+                     f"now {settings}")
+
+
+def run_preset(session):
+    prompts = preset_prompts()
+    correct = 0
+    for prompt, expected in prompts:
+        session.say(f"\n👶: {prompt}")
+        found = expected in session.answer(prompt)
+        correct += found
+        session.say(f"{'✓' if found else '✗'} expected {expected!r}")
+    session.say(f"\n{correct}/{len(prompts)} preset answers contain the expected text")
+
+
+def run_chat(session):
+    session.say("chat: an empty line or Ctrl-D quits, /help lists the commands")
+    while True:
+        try:
+            line = input("\n👶: ")
+        except (EOFError, KeyboardInterrupt):
+            session.say("")
+            return
+        if not line:
+            return
+        if not line.strip():
+            session.say("empty input, type something (an empty line quits)")
+        elif line.startswith("/"):
+            session.command(line)
+        else:
+            session.answer(line)
+
+
+def main(argv=None):
+    transformers_logging.disable_progress_bar()  # the weight-loading bar would only clutter the chat
+    try:
+        args = parse_args(argv)
+        validate_args(args)
+        path = resolve_load_path(args.load)
+        model, tokenizer = load_model(path, args.attn, args.retrieval, torch.device(args.device))
+        config = model.config
+        max_context = config.max_position_embeddings if args.max_context is None else args.max_context
+        if max_context > config.max_position_embeddings:
+            positions = config.max_position_embeddings
+            raise UsageError(f"--max_context {max_context} exceeds the model's {positions} positions")
+        builder = PromptBuilder(tokenizer, args.raw, args.system, max_context)
+        builder.build("", [], args.max_new_tokens)  # fails now, not mid-chat, when no prompt can fit
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    torch.manual_seed(args.seed)
+    attention = config.attn_impl + (f" ({config.ann_retrieval} retrieval)" if config.attn_impl == "ann" else "")
+    print(f"model: {path}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {attention} "
+          f"attention, context {max_context}, device {args.device}")
+    if args.retrieval and config.attn_impl != "ann":
+        print("note: --retrieval only matters with ANN attention (--attn ann)")
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    max_new_tokens=args.max_new_tokens)
+    # Preset answers are scored one by one, so they never see each other.
+    history_turns = args.history_turns if args.mode == "chat" and not args.raw else 0
+    session = Session(model, tokenizer, builder, sampling, history_turns, sys.stdout)
+    if args.prompt is not None:
+        session.say(f"👶: {args.prompt}")
+        session.answer(args.prompt)
+    elif args.mode == "preset":
+        run_preset(session)
+    else:
+        run_chat(session)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
