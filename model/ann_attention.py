@@ -32,8 +32,10 @@ from .retrieval import build_retriever, candidate_count
 NEG_INF = float("-inf")
 QUERY_TILE = 256
 # Up to this many queries from position 0, the selection becomes a boolean mask for SDPA's fused
-# kernel: O(s^2) mask bits but no per-query key copies. Beyond it, tiles of gathered keys win.
-MASKED_SDPA_MAX_LEN = 2048
+# kernel: no per-query key copies, but O(s^2) work. Beyond it the tiles win (forward + backward,
+# 1 thread, 8/2 heads, d 64: masked 37 ms vs tiled 78 ms at 512, 203 vs 208 at 1024, 846 vs 304
+# at 2048; docs/BENCHMARKS.md).
+MASKED_SDPA_MAX_LEN = 1024
 
 
 def group_query_sum(q, kv_heads):
@@ -53,17 +55,29 @@ def window_slab(keys, values, first_positions, num_queries, window):
     """The keys that any of num_queries consecutive queries can see in its window.
 
     keys/values (b, g, t, d), first_positions (b,) = position of the first query
-    -> slab keys/values (b, g, s+W-1, d) and slab positions (b, s+W-1); positions outside
-    [0, t) are clamped here and masked by the caller.
+    -> slab keys/values (b, g, s+W, d) and slab positions (b, s+W), from W-1 before the first
+    query to one past the last (that key is never visible; it makes the slab split into chunks).
+    Positions outside [0, t) are clamped here and masked by the caller.
     """
     b, g, t, d = keys.shape
-    length = num_queries + window - 1
+    length = num_queries + window
     positions = first_positions[:, None] - (window - 1) + torch.arange(length, device=keys.device)
     begin = int(positions[0, 0])
     if bool((first_positions == first_positions[0]).all()) and begin >= 0 and begin + length <= t:
         return keys[:, :, begin : begin + length], values[:, :, begin : begin + length], positions
     index = positions.clamp(0, t - 1)[:, None, :, None].expand(b, g, -1, d)
     return keys.gather(2, index), values.gather(2, index), positions
+
+
+def chunk_slab(slab, num_chunks, window):
+    """slab (..., s+W, x) with s = num_chunks * C -> (..., c, C+W, x): the keys chunk i can see.
+
+    One chunk (C <= W) sees the whole slab; with C = W, chunk i sees slab pieces i and i+1.
+    """
+    if num_chunks == 1:
+        return slab.unsqueeze(-3)
+    pieces = slab.unflatten(-2, (num_chunks + 1, window))
+    return torch.cat([pieces[..., :-1, :, :], pieces[..., 1:, :, :]], dim=-2)
 
 
 def gather_blocks(keys, block_ids, block_size):
@@ -82,24 +96,23 @@ def gather_blocks(keys, block_ids, block_size):
 def attend_tile(q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk):
     """Attention of one tile of queries over its window slab and its retrieved blocks.
 
-    q (b, g, r, T, d) with T a multiple of chunk C; slab_k/v (b, g, T+W-1, d) and slab_positions
-    (b, T+W-1) start W-1 before the first query; block_k/v (b, g, T, n*B, d); block_visible
-    (b, g, T, n*B) -> out (b, g, r, T, d).
+    q (b, g, r, T, d) with T = c * C, and C = W or c = 1; slab_k/v (b, g, T+W, d) and
+    slab_positions (b, T+W) start W-1 before the first query; block_k/v (b, g, T, n*B, d);
+    block_visible (b, g, T, n*B) -> out (b, g, r, T, d).
 
-    Queries go in chunks of C: chunk i sees slab[i*C : i*C + C+W-1], an unfold view of the slab,
-    so each query scores C+W-1 window keys rather than the whole tile's slab.
+    Queries go in chunks of C: each query scores the C+W keys of its chunk, not the tile's slab.
     """
     b, g, r, tile_len, d = q.shape
-    num_chunks, span = tile_len // chunk, chunk + window - 1
+    num_chunks, span = tile_len // chunk, chunk + window
     scale = 1.0 / math.sqrt(d)
-    chunk_keys = slab_k.unfold(2, span, chunk)  # (b, g, c, d, span)
-    chunk_values = slab_v.unfold(2, span, chunk).transpose(-1, -2)  # (b, g, c, span, d)
-    chunk_positions = slab_positions.unfold(1, span, chunk)  # (b, c, span)
+    chunk_keys = chunk_slab(slab_k, num_chunks, window)  # (b, g, c, span, d)
+    chunk_values = chunk_slab(slab_v, num_chunks, window)
+    chunk_positions = chunk_slab(slab_positions[..., None], num_chunks, window)[..., 0]  # (b, c, span)
     offsets = torch.arange(span, device=q.device)[None, :] - torch.arange(chunk, device=q.device)[:, None]
-    band = (offsets >= 0) & (offsets < window)  # (C, span): query a sees slab keys a .. a+W-1
+    band = (offsets >= 0) & (offsets < window)  # (C, span): query a sees chunk keys a .. a+W-1
     visible = band[None, None] & (chunk_positions >= 0)[:, :, None, :]  # (b, c, C, span)
     q_chunks = q.view(b, g, r, num_chunks, chunk, d).transpose(2, 3).reshape(b, g, num_chunks, r * chunk, d)
-    window_logits = (q_chunks @ chunk_keys).view(b, g, num_chunks, r, chunk, span)
+    window_logits = (q_chunks @ chunk_keys.transpose(-1, -2)).view(b, g, num_chunks, r, chunk, span)
     window_logits = window_logits.mul(scale).masked_fill(~visible[:, None, :, None], NEG_INF)
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)
     if block_k is None:
