@@ -35,7 +35,6 @@ from transformers.utils import logging as transformers_logging
 from model.config import ATTN_IMPLS, RETRIEVERS, MiniMindConfig
 from model.model import MiniMindForCausalLM, check_sampling
 from scripts.make_sample_data import preset_prompts
-from trainer.trainer_utils import UsageError as TrainerUsageError, build_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TOKENIZER = REPO_ROOT / "model" / "tokenizer"
@@ -117,13 +116,13 @@ def resolve_load_path(load):
 
 
 def config_from_checkpoint(payload, path):
-    """Rebuild the config exactly as the trainer did, from the command line the checkpoint records."""
-    if not isinstance(payload, dict) or "model" not in payload or "args" not in payload:
-        raise UsageError(f"--load {path}: not a training checkpoint (no 'model' and 'args' entries)")
+    """The model config the checkpoint was trained with (stored next to the weights)."""
+    if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
+        raise UsageError(f"--load {path}: not a training checkpoint (no 'model' and 'config' entries)")
     try:
-        return build_config(argparse.Namespace(**payload["args"]))
-    except (TrainerUsageError, AttributeError) as error:
-        raise UsageError(f"--load {path}: cannot rebuild the model config from the checkpoint ({error})") from None
+        return MiniMindConfig.from_dict(payload["config"])
+    except ValueError as error:
+        raise UsageError(f"--load {path}: invalid model config in the checkpoint ({error})") from None
 
 
 def load_model(path, attn, retrieval, device):

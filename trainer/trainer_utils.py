@@ -42,7 +42,7 @@ from model.config import MiniMindConfig
 from model.model import MiniMindForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINT_KEYS = ("model", "optimizer", "scaler", "state", "rng", "args")
+CHECKPOINT_KEYS = ("model", "config", "optimizer", "scaler", "state", "rng", "args")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -494,6 +494,7 @@ def train(stage, args, config, rank, world_size, device):
         state = {**vars(progress), "elapsed_s": progress.elapsed_s + time.time() - start_time}
         payload = {
             "model": raw_model.state_dict(),
+            "config": raw_model.config.to_dict(),
             "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(),
             "state": {**state, "world_size": world_size},
