@@ -80,15 +80,30 @@ def chunk_slab(slab, num_chunks, window):
     return torch.cat([pieces[..., :-1, :, :], pieces[..., 1:, :, :]], dim=-2)
 
 
+def block_table(keys, block_size):
+    """keys (b, g, t, d) -> (table (b*g*M, B*d), M): block rows, M rows per (sequence, head).
+
+    A cache buffer whose per-head stride is whole blocks is viewed as it is (decoding must not copy
+    the cache per step); other keys are copied once.
+    """
+    b, g, t, d = keys.shape
+    row = block_size * d
+    head_stride = keys.stride(1)
+    if keys.stride(3) == 1 and keys.stride(2) == d and head_stride % row == 0 and keys.stride(0) == g * head_stride:
+        rows_per_head = head_stride // row
+        return keys.as_strided((b * g * rows_per_head, row), (row, 1)), rows_per_head
+    m = t // block_size
+    return keys[:, :, : m * block_size].reshape(b * g * m, row), m
+
+
 def gather_blocks(keys, block_ids, block_size):
     """keys (b, g, t, d), block_ids (b, g, T, n) -> (b, g, T, n*B, d): each query's block keys.
 
-    One index_select over a flat (b*g*m, B*d) table: far faster on CPU than advanced indexing.
+    One index_select over the flat block table: far faster on CPU than advanced indexing.
     """
-    b, g, t, d = keys.shape
-    m = t // block_size
-    table = keys[:, :, : m * block_size].reshape(b * g * m, block_size * d)
-    row_offsets = (torch.arange(b * g, device=keys.device) * m).view(b, g, 1, 1)
+    b, g, _, d = keys.shape
+    table, rows_per_head = block_table(keys, block_size)
+    row_offsets = (torch.arange(b * g, device=keys.device) * rows_per_head).view(b, g, 1, 1)
     gathered = table.index_select(0, (block_ids + row_offsets).flatten())
     return gathered.view(b, g, block_ids.shape[2], -1, d)
 
@@ -151,8 +166,8 @@ def selection_mask(block_ids, valid, length, window, block_size):
 class AnnLayerCache(KVBuffer):
     """KV buffer plus the block summaries and the retriever's state (e.g. HNSW graphs) of one layer."""
 
-    def __init__(self, retriever):
-        super().__init__()
+    def __init__(self, retriever, reserve, block_size):
+        super().__init__(reserve, granularity=block_size)
         self.retriever = retriever
         self.summaries = None
 
@@ -183,8 +198,8 @@ class AnnAttention:
         self.config = config
         self.retrieval = retrieval or config.ann_retrieval
 
-    def new_layer_cache(self):
-        return AnnLayerCache(build_retriever(self.config, self.retrieval))
+    def new_layer_cache(self, reserve=0):
+        return AnnLayerCache(build_retriever(self.config, self.retrieval), reserve, self.block_size)
 
     def covers_everything(self, last_position):
         """True when no query up to last_position has more candidate blocks than top_n: dense is exact."""

@@ -56,19 +56,24 @@ def apply_rope(x, cos, sin):
 class KVBuffer:
     """Keys and values of one layer for a batch, stored per sequence from position 0.
 
-    k, v: (b, hkv, capacity, d); capacity grows by doubling so appends are amortised O(1).
+    k, v: (b, hkv, capacity, d); capacity grows by doubling so appends are amortised O(1), starts
+    at `reserve` when the final length is known (no copies at all then), and is a multiple of
+    `granularity` so block-structured readers can view it without copying.
     """
 
-    def __init__(self):
+    def __init__(self, reserve=0, granularity=1):
         self.k = None
         self.v = None
+        self.reserve = reserve
+        self.granularity = granularity
 
     def write(self, k_new, v_new, starts):
         """Store k_new/v_new (b, hkv, s, d) at positions starts[i] .. starts[i] + s - 1 of sequence i."""
         b, hkv, s, d = k_new.shape
         end = int(starts.max()) + s
         if self.k is None or self.k.shape[2] < end:
-            capacity = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 256)
+            capacity = max(end, 2 * (0 if self.k is None else self.k.shape[2]), self.reserve, 256)
+            capacity = -(-capacity // self.granularity) * self.granularity
             grown_k = k_new.new_zeros(b, hkv, capacity, d)
             grown_v = v_new.new_zeros(b, hkv, capacity, d)
             if self.k is not None:
@@ -95,17 +100,23 @@ def dense_attention(q, keys, values, starts):
     """Causal attention of q (b, h, s, d) at positions starts + i over keys/values (b, hkv, t, d).
 
     starts None means the s queries and keys are one sequence from position 0 (is_causal SDPA).
+    With a cache, the query heads of each KV group are folded into the query axis instead of
+    repeating the whole cache per head, which would cost O(t) copies per decoded token.
     """
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    s = q.shape[2]
+    b, h, s, d = q.shape
+    kv_heads = keys.shape[1]
+    groups = h // kv_heads
     if starts is None or (bool((starts == 0).all()) and keys.shape[2] == s):
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-    query_positions = starts[:, None] + torch.arange(s, device=q.device)
-    visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= query_positions[:, :, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
+    folded = q.reshape(b, kv_heads, groups * s, d)
+    query_positions = (starts[:, None] + torch.arange(s, device=q.device)).repeat(1, groups)
+    mask = None
+    if not (s == 1 and bool((starts == keys.shape[2] - 1).all())):
+        mask = (torch.arange(keys.shape[2], device=q.device)[None, None, :] <= query_positions[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask).view(b, h, s, d)
 
 
 class DenseAttention:
@@ -114,8 +125,8 @@ class DenseAttention:
     def __init__(self, config):
         pass
 
-    def new_layer_cache(self):
-        return KVBuffer()
+    def new_layer_cache(self, reserve=0):
+        return KVBuffer(reserve)
 
     def __call__(self, q, k, v, starts, ends, layer_cache):
         if layer_cache is not None:
@@ -250,8 +261,9 @@ class MiniMindForCausalLM(PreTrainedModel):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def new_cache(self):
-        return MiniMindCache([layer.self_attn.core.new_layer_cache() for layer in self.model.layers])
+    def new_cache(self, reserve=0):
+        """An empty cache; reserve = expected final length (prompt + new tokens) avoids regrowth."""
+        return MiniMindCache([layer.self_attn.core.new_layer_cache(reserve) for layer in self.model.layers])
 
     def forward(
         self,
@@ -328,8 +340,8 @@ class MiniMindForCausalLM(PreTrainedModel):
         """
         check_sampling(temperature, top_p, top_k, max_new_tokens)
         eos_token_id = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        cache = self.new_cache()
         s = input_ids.shape[1]
+        cache = self.new_cache(reserve=s + max_new_tokens)
         chunk = prefill_chunk or s
         if attention_mask is not None and not bool(attention_mask.bool().all()) and chunk < s:
             raise ValueError("a padded batch is prefilled in one chunk; pass prefill_chunk=None")

@@ -1,0 +1,265 @@
+"""Attention cores alone: dense causal SDPA vs ANN attention (exact / hnsw / auto retrieval).
+
+Same random q/k/v for every implementation (batch --batch, --heads query heads, --kv_heads kv
+heads, head dim --head_dim); dense is model.model.dense_attention (GQA by repeat_interleave, then
+causal SDPA), ANN is model.ann_attention.AnnAttention with the config's window / block / top_n.
+Modes:
+    fwd       one causal pass over seq_len tokens, no grad;
+    fwd_bwd   the same with backward to q, k, v (only up to --max_bwd_len);
+    decode    per-token latency of one new token against a cache of seq_len tokens. The ANN
+              cache is built by chunked prefill through the core (it needs the block summaries
+              and HNSW graphs a real prefill leaves); the dense KV buffer is filled by writing the
+              random keys into it, since no dense attention is needed to make its state.
+Each row runs in a fresh process (see scripts/bench_common.py for timing and peak memory). A row
+is skipped, with the reason printed, when its memory or time extrapolated from the shorter rows
+of its series would exceed --mem_limit_gb or --max_row_s.
+
+    python scripts/bench_attention.py --json docs/bench/attention_cpu.json
+    python scripts/bench_attention.py --device cuda --dtype bfloat16 --json docs/bench/attention_cuda.json
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from model.ann_attention import AnnAttention
+from model.config import MiniMindConfig
+from model.model import DenseAttention
+from scripts.bench_common import (
+    Extrapolator,
+    PeakMemory,
+    RowFailed,
+    format_table,
+    machine_info,
+    median_ms,
+    plot_panels,
+    png_path_for,
+    run_in_fresh_process,
+    set_threads,
+    skip_reason,
+    synchronize,
+    time_calls,
+    write_json,
+)
+
+IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
+MODES = ("fwd", "fwd_bwd", "decode")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None):
+    defaults = MiniMindConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--decode_lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--max_bwd_len", type=int, default=8192, help="fwd_bwd rows only up to this length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=defaults.ann_window)
+    p.add_argument("--block_size", type=int, default=defaults.ann_block_size)
+    p.add_argument("--top_n", type=int, default=defaults.ann_top_n)
+    p.add_argument("--auto_threshold", type=int, default=defaults.ann_auto_threshold, help="candidate blocks")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls (decode: steps) before timing")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per row; the median is reported")
+    p.add_argument("--decode_steps", type=int, default=20, help="timed decode steps per row")
+    p.add_argument("--prefill_chunk", type=int, default=2048, help="tokens per prefill call when building a cache")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--mem_limit_gb", type=float, default=16.0, help="skip rows estimated to need more")
+    p.add_argument("--max_row_s", type=float, default=60.0, help="skip rows estimated to take longer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="docs/bench/attention.json")
+    p.add_argument("--png", default=None, help="default: the --json path with .png")
+    return p.parse_args(argv)
+
+
+def build_core(settings, impl):
+    config = MiniMindConfig(
+        hidden_size=settings["heads"] * settings["head_dim"],
+        num_attention_heads=settings["heads"],
+        num_key_value_heads=settings["kv_heads"],
+        num_hidden_layers=1,
+        attn_impl="dense" if impl == "dense" else "ann",
+        ann_window=settings["window"],
+        ann_block_size=settings["block_size"],
+        ann_top_n=settings["top_n"],
+        ann_retrieval="exact" if impl == "dense" else impl.removeprefix("ann_"),
+        ann_auto_threshold=settings["auto_threshold"],
+    )
+    return DenseAttention(config) if impl == "dense" else AnnAttention(config)
+
+
+def random_qkv(settings, length, generator, requires_grad=False):
+    device, dtype = settings["device"], DTYPES[settings["dtype"]]
+    b, h, g, d = settings["batch"], settings["heads"], settings["kv_heads"], settings["head_dim"]
+    shapes = [(b, h, length, d), (b, g, length, d), (b, g, length, d)]
+    return [
+        torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_(requires_grad)
+        for shape in shapes
+    ]
+
+
+def measure_pass(settings, impl, mode, length):
+    """fwd / fwd_bwd row, in its own process: {ms, peak_mb, min_row_s}."""
+    set_threads(settings["threads"])
+    device = settings["device"]
+    memory = PeakMemory(device)
+    generator = torch.Generator(device).manual_seed(settings["seed"])
+    q, k, v = random_qkv(settings, length, generator, requires_grad=mode == "fwd_bwd")
+    core = build_core(settings, impl)
+
+    if mode == "fwd":
+
+        def step():
+            with torch.no_grad():
+                core(q, k, v, None, None, None)
+
+    else:
+        upstream = torch.randn(q.shape, generator=generator, device=device, dtype=q.dtype)
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            core(q, k, v, None, None, None).backward(upstream)
+
+    times = time_calls(step, settings["warmup"], settings["repeats"], device, settings["max_row_s"])
+    ms = median_ms(times)
+    return {"ms": ms, "peak_mb": memory.peak_mb(), "min_row_s": (settings["warmup"] + 1) * ms / 1000}
+
+
+def measure_decode(settings, impl, _mode, length):
+    """decode row, in its own process: per-token ms against a cache of `length` tokens, plus the
+    prefill's time and peak (ANN) and the size of the keys and values themselves."""
+    set_threads(settings["threads"])
+    device = settings["device"]
+    memory = PeakMemory(device)
+    generator = torch.Generator(device).manual_seed(settings["seed"])
+    core = build_core(settings, impl)
+    cache = core.new_layer_cache()
+    batch, chunk = settings["batch"], settings["prefill_chunk"]
+
+    started = time.perf_counter()
+    for begin in range(0, length, chunk):
+        size = min(chunk, length - begin)
+        q, k, v = random_qkv(settings, size, generator)
+        starts = torch.full((batch,), begin, device=device)
+        if impl == "dense":
+            cache.write(k, v, starts)
+        else:
+            with torch.no_grad():
+                core(q, k, v, starts, starts + size, cache)
+    synchronize(device)
+    prefill_s = time.perf_counter() - started
+    prefill_peak_mb = memory.peak_mb()
+
+    steps = [random_qkv(settings, 1, generator) for _ in range(settings["warmup"] + settings["decode_steps"])]
+    position = [length]
+
+    def step():
+        q, k, v = steps[position[0] - length]
+        starts = torch.full((batch,), position[0], device=device)
+        with torch.no_grad():
+            core(q, k, v, starts, starts + 1, cache)
+        position[0] += 1
+
+    times = time_calls(step, settings["warmup"], settings["decode_steps"], device, settings["max_row_s"])
+    ms = median_ms(times)
+    element_bytes = torch.finfo(DTYPES[settings["dtype"]]).bits // 8
+    kv_bytes = 2 * batch * settings["kv_heads"] * length * settings["head_dim"] * element_bytes
+    return {
+        "ms": ms,
+        "peak_mb": memory.peak_mb(),
+        "prefill_ms": None if impl == "dense" else 1000 * prefill_s,
+        "prefill_peak_mb": prefill_peak_mb,
+        "kv_cache_mb": kv_bytes / 2**20,
+        "min_row_s": prefill_s + (settings["warmup"] + settings["decode_steps"]) * ms / 1000,
+    }
+
+
+def planned_rows(args):
+    rows = []
+    for mode in args.modes:
+        lengths = sorted(args.decode_lengths if mode == "decode" else args.lengths)
+        if mode == "fwd_bwd":
+            dropped = [length for length in lengths if length > args.max_bwd_len]
+            if dropped:
+                print(f"fwd_bwd only up to --max_bwd_len {args.max_bwd_len}: not run at {dropped}")
+            lengths = [length for length in lengths if length <= args.max_bwd_len]
+        rows += [(impl, mode, length) for impl in args.impls for length in lengths]
+    return rows
+
+
+def add_ratios(rows):
+    dense = {(row["mode"], row["seq_len"]): row["ms"] for row in rows if row["impl"] == "dense"}
+    for row in rows:
+        reference = dense.get((row["mode"], row["seq_len"]))
+        row["ratio"] = None if reference is None else row["ms"] / reference
+
+
+def plot(rows, png_path, title):
+    panels = []
+    for metric, label in (("ms", "ms per call (decode: per token)"), ("peak_mb", "peak MB")):
+        for mode in MODES:
+            mode_rows = [row for row in rows if row["mode"] == mode]
+            if mode_rows:
+                lines = {impl: [(r["seq_len"], r[metric]) for r in mode_rows if r["impl"] == impl] for impl in IMPLS}
+                panels.append((f"{mode}: {metric}", "seq_len (decode: cached tokens)", label, lines))
+    plot_panels(png_path, title, panels)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = vars(args)
+    rows, skipped, failures = [], [], 0
+    time_estimates, memory_estimates = Extrapolator(), Extrapolator()
+    for impl, mode, length in planned_rows(args):
+        series = (impl, mode)
+        reason = skip_reason(time_estimates.predict(series, length), args.max_row_s,
+                             memory_estimates.predict(series, length), args.mem_limit_gb)
+        if reason is None:
+            measure = measure_decode if mode == "decode" else measure_pass
+            try:
+                result = run_in_fresh_process(measure, settings, impl, mode, length)
+            except RowFailed as error:
+                print(str(error), file=sys.stderr)
+                reason = "failed: " + str(error).strip().splitlines()[-1]
+                failures += 1
+        if reason is not None:
+            print(f"skipped {impl:9s} {mode:7s} {length:7d}: {reason}", flush=True)
+            skipped.append({"impl": impl, "mode": mode, "seq_len": length, "reason": reason})
+            continue
+        time_estimates.add(series, length, result.pop("min_row_s"))
+        memory_estimates.add(series, length, max(result["peak_mb"], 1.0))
+        rows.append({"impl": impl, "mode": mode, "seq_len": length, **result})
+        print(f"{impl:9s} {mode:7s} {length:7d}: {result['ms']:10.3f} ms  {result['peak_mb']:9.1f} MB", flush=True)
+
+    rows.sort(key=lambda row: (MODES.index(row["mode"]), row["seq_len"], IMPLS.index(row["impl"])))
+    add_ratios(rows)
+    columns = [("impl", "impl", "{}"), ("mode", "mode", "{}"), ("seq_len", "seq_len", "{}"), ("ms", "ms", "{:.3f}"),
+               ("peak_mb", "peak_mb", "{:.1f}"), ("ratio vs dense", "ratio", "{:.3f}")]
+    if any(row.get("kv_cache_mb") for row in rows):
+        columns += [("prefill_ms", "prefill_ms", "{:.0f}"), ("prefill_peak_mb", "prefill_peak_mb", "{:.1f}"),
+                    ("kv_cache_mb", "kv_cache_mb", "{:.1f}")]
+    print()
+    print(format_table(rows, columns))
+    config = {key: value for key, value in settings.items() if key not in ("json", "png")}
+    config["machine"] = machine_info(args.device)
+    write_json(args.json, config, rows, skipped=skipped)
+    title = (f"attention, b={args.batch} h={args.heads} g={args.kv_heads} d={args.head_dim} W={args.window} "
+             f"B={args.block_size} top_n={args.top_n}, {args.device} {args.dtype} {args.threads} threads")
+    plot(rows, png_path_for(args.json, args.png), title)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

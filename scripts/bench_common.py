@@ -1,0 +1,244 @@
+"""What the bench_*.py scripts share: threads, timing, peak memory, isolated rows, tables, JSON, plots.
+
+Timing. `time_calls` runs warm-up calls (allocator, thread pools and lazy inits settle), then timed
+calls until `repeats` are done or the row's time budget is spent (at least one timed call); the
+result is the median, with the device synchronised around every call.
+
+Peak memory. On CPU a row runs in a fresh process forked from the script's parent, which has
+only imported the libraries (`run_in_fresh_process`); peak_mb is the growth of the process's
+resident high-water mark (VmHWM, reset through /proc/self/clear_refs) over its resident size just
+before the row started. So it counts everything the row touches: inputs, outputs, gradients,
+workspace, caches, FAISS graphs, allocator slack, and the 10-25 MB of library pages and thread
+stacks a row touches first; and nothing an earlier row left behind. On CUDA it is
+torch.cuda.max_memory_allocated over the row (device memory only; FAISS graphs live on the host).
+"""
+
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import faiss
+import torch
+
+
+def set_threads(threads):
+    """The same thread count for torch and FAISS, so exact and HNSW retrieval compete fairly."""
+    torch.set_num_threads(threads)
+    faiss.omp_set_num_threads(threads)
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, warmup, repeats, device, budget_s=math.inf):
+    """Seconds of each timed call of fn(): warmup untimed calls first, then up to `repeats` timed ones."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    started = time.perf_counter()
+    while len(times) < max(1, repeats) and (not times or time.perf_counter() - started < budget_s):
+        begin = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def median_ms(seconds):
+    return 1000.0 * statistics.median(seconds)
+
+
+def _proc_status_kb(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+class PeakMemory:
+    """peak_mb(): the most memory held at once since start(), above what was held at start()."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.start()
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+        else:
+            # "5" resets VmHWM to the current resident size (Linux >= 4.0).
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")
+            self.baseline = _proc_status_kb("VmRSS") * 1024
+
+    def peak_mb(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = _proc_status_kb("VmHWM") * 1024
+        return (peak - self.baseline) / 2**20
+
+
+class RowFailed(RuntimeError):
+    pass
+
+
+def _child_main(sender, fn, args):
+    try:
+        sender.send((True, fn(*args)))
+    except BaseException:
+        sender.send((False, traceback.format_exc()))
+    finally:
+        sender.close()
+
+
+def run_in_fresh_process(fn, *args):
+    """fn(*args) in a new process forked from this one; returns its (picklable) result or raises RowFailed.
+
+    Forking costs milliseconds where a fresh interpreter would import torch and transformers
+    again. The caller must not have run torch computations itself (OpenMP's thread pool does not
+    survive a fork, and neither does a CUDA context): the bench scripts' parents only orchestrate.
+    A child killed by the kernel (out of memory) raises RowFailed with its exit code.
+    """
+    # The child inherits unflushed output buffers and would print them a second time.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child_main, args=(sender, fn, args))
+    child.start()
+    sender.close()
+    try:
+        ok, payload = receiver.recv()
+    except EOFError:
+        ok, payload = False, None
+    child.join()
+    if ok:
+        return payload
+    if payload is None:
+        raise RowFailed(f"the row's process died with exit code {child.exitcode} (killed for memory?)")
+    raise RowFailed(payload)
+
+
+class Extrapolator:
+    """Predicts a row's cost at a longer length from the rows already measured in its series.
+
+    The growth exponent comes from the last two measured lengths, clamped to what the caller
+    knows about the series (attention at fixed batch: between linear and quadratic); with one
+    point it is the upper bound, the cautious guess. Returns None with no measured point.
+    """
+
+    def __init__(self, min_exponent=1.0, max_exponent=2.0):
+        self.min_exponent = min_exponent
+        self.max_exponent = max_exponent
+        self.points = {}
+
+    def add(self, series, length, value):
+        self.points.setdefault(series, []).append((length, value))
+
+    def predict(self, series, length):
+        points = sorted(self.points.get(series, []))
+        if not points:
+            return None
+        (length_a, value_a), (length_b, value_b) = points[-2:] if len(points) > 1 else points * 2
+        exponent = self.max_exponent
+        if length_b > length_a and value_a > 0 and value_b > 0:
+            growth = math.log(value_b / value_a) / math.log(length_b / length_a)
+            exponent = min(self.max_exponent, max(self.min_exponent, growth))
+        return value_b * (length / length_b) ** exponent
+
+
+def skip_reason(estimated_s, max_row_s, estimated_mb=None, mem_limit_gb=math.inf):
+    """Why a row should not run (its estimates exceed the limits), or None."""
+    if estimated_mb is not None and estimated_mb > mem_limit_gb * 1024:
+        return f"estimated {estimated_mb / 1024:.1f} GB > --mem_limit_gb {mem_limit_gb:g}"
+    if estimated_s is not None and estimated_s > max_row_s:
+        return f"estimated {estimated_s:.3g} s > --max_row_s {max_row_s:g}"
+    return None
+
+
+def format_table(rows, columns):
+    """rows: dicts; columns: (header, key, format) triples. Missing values print as '-'."""
+    cells = [[header for header, _, _ in columns]]
+    for row in rows:
+        cells.append([("-" if row.get(key) is None else fmt.format(row[key])) for _, key, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def machine_info(device):
+    info = {
+        "torch": torch.__version__,
+        "device": str(device),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": multiprocessing.cpu_count(),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def write_json(path, config, rows, **extra):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": config, "rows": rows, **extra}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def png_path_for(json_path, png_path=None):
+    return Path(png_path) if png_path else Path(json_path).with_suffix(".png")
+
+
+def plot_panels(png_path, title, panels):
+    """One panel per entry of `panels`: (title, xlabel, ylabel, {line label: [(x, y), ...]}), log-log;
+    a fifth element "linear" keeps that panel's y axis linear (e.g. recall)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
+    # One colour per line label across all panels, so a panel missing a line does not shift the others.
+    colours = {}
+    for _, _, _, lines, *_ in panels:
+        for label in lines:
+            colours.setdefault(label, f"C{len(colours) % 10}")
+    for axis, (panel_title, xlabel, ylabel, lines, *y_scale) in zip(axes.flat, panels):
+        log_y = y_scale != ["linear"]
+        for label, points in lines.items():
+            points = sorted((x, y) for x, y in points if y is not None and (y > 0 or not log_y))
+            if points:
+                axis.plot(*zip(*points), marker="o", label=label, color=colours[label])
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log" if log_y else "linear")
+        axis.set_title(panel_title)
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        axis.grid(True, which="both", alpha=0.3)
+        if axis.lines:
+            axis.legend()
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png_path}")

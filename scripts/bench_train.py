@@ -1,0 +1,162 @@
+"""Whole-model training throughput: dense vs ANN attention, tokens per second of optimizer steps.
+
+One step = forward + backward + AdamW step (trainer/trainer_utils.py's optimizer) on random token
+ids; every implementation sees the same ids. The batch size is --tokens_per_step / seq_len, so a
+step holds the same number of tokens at every length and tokens/s compares directly. Reported:
+the median over --steps timed steps after --warmup untimed ones, and the peak memory of the
+whole row (model, optimizer state, activations; see scripts/bench_common.py), each row in a
+fresh process.
+
+    python scripts/bench_train.py --json docs/bench/train_cpu.json
+    python scripts/bench_train.py --device cuda --dtype bfloat16 --preset small --json docs/bench/train_cuda.json
+"""
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from model.config import PRESETS, MiniMindConfig
+from model.model import MiniMindForCausalLM
+from scripts.bench_common import (
+    Extrapolator,
+    PeakMemory,
+    RowFailed,
+    format_table,
+    machine_info,
+    median_ms,
+    plot_panels,
+    png_path_for,
+    run_in_fresh_process,
+    set_threads,
+    skip_reason,
+    time_calls,
+    write_json,
+)
+from trainer.trainer_utils import build_optimizer
+
+IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=["dense", "ann_exact"])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--tokens_per_step", type=int, default=8192, help="batch size = this / seq_len")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps; the median is reported")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="bfloat16: autocast")
+    p.add_argument("--max_row_s", type=float, default=120.0, help="skip rows estimated to take longer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="docs/bench/train.json")
+    p.add_argument("--png", default=None, help="default: the --json path with .png")
+    args = p.parse_args(argv)
+    for length in args.lengths:
+        if length < 2 or args.tokens_per_step % length:
+            p.error(f"--tokens_per_step {args.tokens_per_step} must be a multiple of every length (got {length})")
+    return args
+
+
+def measure_training(settings, impl, length):
+    """One row, in its own process: {tokens_per_s, step_ms, peak_mb, batch, min_row_s}."""
+    set_threads(settings["threads"])
+    device = settings["device"]
+    memory = PeakMemory(device)
+    torch.manual_seed(settings["seed"])
+    config = MiniMindConfig.from_preset(
+        settings["preset"],
+        attn_impl="dense" if impl == "dense" else "ann",
+        ann_retrieval="exact" if impl == "dense" else impl.removeprefix("ann_"),
+        max_position_embeddings=max(length, MiniMindConfig().max_position_embeddings),
+    )
+    model = MiniMindForCausalLM(config).to(device).train()
+    optimizer = build_optimizer(model, learning_rate=1e-4)
+    batch = settings["tokens_per_step"] // length
+    generator = torch.Generator().manual_seed(settings["seed"])
+    total_steps = settings["warmup"] + settings["steps"]
+    data = torch.randint(3, config.vocab_size, (total_steps, batch, length), generator=generator).to(device)
+    autocast = (
+        torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+        if settings["dtype"] == "bfloat16"
+        else contextlib.nullcontext()
+    )
+    step_index = [0]
+
+    def step():
+        input_ids = data[step_index[0]]
+        with autocast:
+            loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_index[0] += 1
+
+    times = time_calls(step, settings["warmup"], settings["steps"], device, settings["max_row_s"])
+    step_ms = median_ms(times)
+    return {
+        "batch": batch,
+        "tokens_per_s": batch * length / (step_ms / 1000),
+        "step_ms": step_ms,
+        "peak_mb": memory.peak_mb(),
+        "min_row_s": (settings["warmup"] + 1) * step_ms / 1000,
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = vars(args)
+    rows, skipped, failures = [], [], 0
+    # Tokens per step are fixed, so a step's cost grows at most linearly with seq_len.
+    time_estimates = Extrapolator(min_exponent=0.0, max_exponent=1.0)
+    for impl in args.impls:
+        for length in sorted(args.lengths):
+            reason = skip_reason(time_estimates.predict(impl, length), args.max_row_s)
+            if reason is None:
+                try:
+                    result = run_in_fresh_process(measure_training, settings, impl, length)
+                except RowFailed as error:
+                    print(str(error), file=sys.stderr)
+                    reason = "failed: " + str(error).strip().splitlines()[-1]
+                    failures += 1
+            if reason is not None:
+                print(f"skipped {impl:9s} {length:6d}: {reason}", flush=True)
+                skipped.append({"impl": impl, "seq_len": length, "reason": reason})
+                continue
+            time_estimates.add(impl, length, result.pop("min_row_s"))
+            rows.append({"impl": impl, "seq_len": length, **result})
+            print(f"{impl:9s} {length:6d}: {result['tokens_per_s']:9.0f} tokens/s  {result['peak_mb']:8.1f} MB",
+                  flush=True)
+
+    rows.sort(key=lambda row: (row["seq_len"], IMPLS.index(row["impl"])))
+    dense = {row["seq_len"]: row["tokens_per_s"] for row in rows if row["impl"] == "dense"}
+    for row in rows:
+        row["ratio"] = row["tokens_per_s"] / dense[row["seq_len"]] if row["seq_len"] in dense else None
+    print()
+    print(format_table(rows, [
+        ("impl", "impl", "{}"), ("seq_len", "seq_len", "{}"), ("batch", "batch", "{}"),
+        ("tokens/s", "tokens_per_s", "{:.0f}"), ("step_ms", "step_ms", "{:.1f}"), ("peak_mb", "peak_mb", "{:.1f}"),
+        ("ratio vs dense", "ratio", "{:.3f}"),
+    ]))
+    config = {key: value for key, value in settings.items() if key not in ("json", "png")}
+    config["machine"] = machine_info(args.device)
+    write_json(args.json, config, rows, skipped=skipped)
+    panels = []
+    for metric, label in (("tokens_per_s", "tokens / s"), ("peak_mb", "peak MB")):
+        lines = {impl: [(r["seq_len"], r[metric]) for r in rows if r["impl"] == impl] for impl in IMPLS}
+        panels.append((f"training: {metric}", "seq_len", label, lines))
+    title = (f"training, preset {args.preset}, {args.tokens_per_step} tokens/step, "
+             f"{args.device} {args.dtype} {args.threads} threads")
+    plot_panels(png_path_for(args.json, args.png), title, panels)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

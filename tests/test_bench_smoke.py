@@ -1,0 +1,118 @@
+"""The benchmark scripts end to end at tiny sizes: they run, and write the documented JSON and a PNG.
+
+Each script runs as a real subprocess (as a file or with -m, as the docs show both), one thread.
+Numbers are not checked: at these sizes they are noise.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import faiss
+import torch
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from scripts import bench_retrieval
+from scripts.bench_common import Extrapolator, skip_reason
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_script(args):
+    result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def load_outputs(json_path):
+    assert json_path.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+    report = json.loads(json_path.read_text())
+    assert isinstance(report["config"], dict) and report["rows"]
+    return report
+
+
+def test_bench_attention(tmp_path):
+    json_path = tmp_path / "attention.json"
+    run_script(["scripts/bench_attention.py", "--lengths", "128", "256", "--decode_lengths", "256", "--repeats", "1",
+                "--decode_steps", "2", "--threads", "1", "--json", str(json_path)])
+    report = load_outputs(json_path)
+    measured = {(row["impl"], row["mode"], row["seq_len"]) for row in report["rows"]}
+    impls = ["dense", "ann_exact", "ann_hnsw", "ann_auto"]
+    expected = {(i, m, n) for i in impls for m in ("fwd", "fwd_bwd") for n in (128, 256)}
+    expected |= {(i, "decode", 256) for i in impls}
+    assert measured == expected and report["skipped"] == []
+    for row in report["rows"]:
+        assert row["ms"] > 0 and isinstance(row["peak_mb"], float)
+    decode = [row for row in report["rows"] if row["mode"] == "decode"]
+    assert all(row["kv_cache_mb"] == 2 * 2 * 256 * 64 * 4 / 2**20 for row in decode)
+
+
+def test_rows_are_skipped_when_their_extrapolated_cost_is_over_the_limits():
+    estimates = Extrapolator()
+    assert estimates.predict("dense", 1024) is None  # nothing measured: the row runs
+    estimates.add("dense", 1024, 1.0)
+    assert estimates.predict("dense", 2048) == 4.0  # one point: quadratic, the cautious guess
+    estimates.add("dense", 2048, 2.0)
+    assert estimates.predict("dense", 8192) == 8.0  # fitted: linear
+    assert skip_reason(8.0, max_row_s=10) is None
+    assert "--max_row_s" in skip_reason(8.0, max_row_s=5)
+    assert "--mem_limit_gb" in skip_reason(1.0, 10, estimated_mb=3000, mem_limit_gb=2)
+
+
+def test_bench_train(tmp_path):
+    json_path = tmp_path / "train.json"
+    run_script(["-m", "scripts.bench_train", "--lengths", "64", "128", "--tokens_per_step", "256", "--warmup", "1",
+                "--steps", "1", "--threads", "1", "--json", str(json_path)])
+    report = load_outputs(json_path)
+    assert {(row["impl"], row["seq_len"]) for row in report["rows"]} == {
+        (impl, n) for impl in ("dense", "ann_exact") for n in (64, 128)
+    }
+    for row in report["rows"]:
+        assert row["tokens_per_s"] > 0 and isinstance(row["peak_mb"], float)
+        assert row["batch"] * row["seq_len"] == 256
+
+
+def check_retrieval_report(report, blocks, ef_values):
+    for m in blocks:
+        exact = [r for r in report["rows"] if r["blocks"] == m and r["impl"] == "exact"]
+        hnsw = [r for r in report["rows"] if r["blocks"] == m and r["impl"] == "hnsw"]
+        assert len(exact) == 1 and exact[0]["recall"] == 1.0
+        assert sorted(r["ef_search"] for r in hnsw) == sorted(ef_values)
+        for row in exact + hnsw:
+            assert row["decode_ms"] > 0 and row["prefill_ms"] > 0 and 0 <= row["recall"] <= 1
+    assert set(report["crossover"]) == {"decode", "prefill"}
+    assert "recommended_ann_auto_threshold" in report
+
+
+def test_bench_retrieval_synthetic_keys(tmp_path):
+    json_path = tmp_path / "retrieval.json"
+    out = run_script(["scripts/bench_retrieval.py", "--blocks", "64", "256", "--ef_sweep", "16",
+                      "--decode_queries", "5", "--prefill_queries", "16", "--prefill_repeats", "1", "--threads", "1",
+                      "--json", str(json_path)])
+    check_retrieval_report(load_outputs(json_path), [64, 256], [64, 16])
+    assert "recommended ann_auto_threshold" in out
+
+
+def test_bench_retrieval_model_keys(tmp_path):
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            attn_impl="ann", ann_window=16, ann_block_size=8, ann_top_n=2)
+    MiniMindForCausalLM(config).save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(300)))
+    json_path = tmp_path / "retrieval.json"
+    threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    try:
+        bench_retrieval.main(["--model", str(tmp_path / "model"), "--text", str(text), "--model_tokens", "1200",
+                              "--blocks", "16", "64", "1000", "--ef_sweep", "--decode_queries", "4",
+                              "--prefill_queries", "8", "--prefill_repeats", "1", "--threads", "1",
+                              "--json", str(json_path)])
+    finally:
+        torch.set_num_threads(threads)
+        faiss.omp_set_num_threads(faiss_threads)
+    report = load_outputs(json_path)
+    assert sorted({row["blocks"] for row in report["rows"]}) == [16, 64]  # 1000 blocks need more tokens: skipped
+    check_retrieval_report(report, [16, 64], [64])
+    assert report["config"]["keys"].startswith("model")
