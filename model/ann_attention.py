@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .model import KVBuffer, dense_attention
+from .model import KVBuffer, dense_attention, with_capacity
 from .retrieval import build_retriever, candidate_count
 
 NEG_INF = float("-inf")
@@ -180,11 +180,7 @@ class AnnLayerCache(KVBuffer):
         first = int(starts.min()) // block_size
         end = int(ends.max()) // block_size
         fresh = block_means(self.k, first, end, block_size)
-        if self.summaries is None or self.summaries.shape[2] < end:
-            grown = fresh.new_zeros(*fresh.shape[:2], max(end, 2 * (0 if self.summaries is None else self.summaries.shape[2])), fresh.shape[3])
-            if self.summaries is not None:
-                grown[:, :, : self.summaries.shape[2]] = self.summaries
-            self.summaries = grown
+        self.summaries = with_capacity(self.summaries, fresh, end)
         self.summaries[:, :, first:end] = fresh
         return self.summaries[:, :, :end]
 

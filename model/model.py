@@ -53,6 +53,21 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+def with_capacity(buffer, like, needed, minimum=0, granularity=1):
+    """buffer (b, x, capacity, d), or None, with room for `needed` rows on dim 2 (doubling).
+
+    A new buffer shaped like `like` keeps the old contents; capacity is a multiple of granularity.
+    """
+    if buffer is not None and buffer.shape[2] >= needed:
+        return buffer
+    capacity = max(needed, minimum, 0 if buffer is None else 2 * buffer.shape[2])
+    capacity = -(-capacity // granularity) * granularity
+    grown = like.new_zeros(*like.shape[:2], capacity, like.shape[3])
+    if buffer is not None:
+        grown[:, :, : buffer.shape[2]] = buffer
+    return grown
+
+
 class KVBuffer:
     """Keys and values of one layer for a batch, stored per sequence from position 0.
 
@@ -71,15 +86,8 @@ class KVBuffer:
         """Store k_new/v_new (b, hkv, s, d) at positions starts[i] .. starts[i] + s - 1 of sequence i."""
         b, hkv, s, d = k_new.shape
         end = int(starts.max()) + s
-        if self.k is None or self.k.shape[2] < end:
-            capacity = max(end, 2 * (0 if self.k is None else self.k.shape[2]), self.reserve, 256)
-            capacity = -(-capacity // self.granularity) * self.granularity
-            grown_k = k_new.new_zeros(b, hkv, capacity, d)
-            grown_v = v_new.new_zeros(b, hkv, capacity, d)
-            if self.k is not None:
-                grown_k[:, :, : self.k.shape[2]] = self.k
-                grown_v[:, :, : self.v.shape[2]] = self.v
-            self.k, self.v = grown_k, grown_v
+        self.k = with_capacity(self.k, k_new, end, max(self.reserve, 256), self.granularity)
+        self.v = with_capacity(self.v, v_new, end, max(self.reserve, 256), self.granularity)
         if bool((starts == starts[0]).all()):
             start = int(starts[0])
             self.k[:, :, start : start + s] = k_new
