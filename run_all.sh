@@ -2,7 +2,7 @@
 # The main job in one command: install what is missing, make offline sample data unless real data
 # is present, pretrain, SFT, then chat on the preset prompts. ANN attention throughout.
 #
-#   bash run_all.sh            offline demo: tiny model, ~10 minutes on 2 CPU cores
+#   bash run_all.sh            offline demo: tiny model, ~11 minutes on 2 CPU cores
 #   REAL=1 bash run_all.sh     minimind's recipe: download the real data (modelscope), small model
 #                              (26M), full epochs; meant for a GPU (add GPUS=N for torchrun DDP)
 #
@@ -35,15 +35,16 @@ else
     echo "== sample data (offline, deterministic)"
     "$PYTHON" scripts/make_sample_data.py --out_dir dataset/sample
     echo "== pretrain (tiny model, $ATTN attention)"
+    # Step caps let the cosine schedule finish; the minute caps keep slower machines in budget.
     "$PYTHON" trainer/train_pretrain.py --preset tiny --attn "$ATTN" --data_path dataset/sample/pretrain_hq.jsonl \
         --max_seq_len 256 --batch_size 16 --accumulation_steps 1 --learning_rate 2e-3 --warmup_steps 20 \
-        --epochs 4 --max_minutes "${PRETRAIN_MINUTES:-5.5}" --log_interval 10 --save_interval 200 \
+        --epochs 2 --max_steps 340 --max_minutes "${PRETRAIN_MINUTES:-6.5}" --log_interval 10 --save_interval 100 \
         --out_dir out/pretrain
     echo "== SFT"
     "$PYTHON" trainer/train_full_sft.py --from_weight out/pretrain/model --attn "$ATTN" \
-        --data_path dataset/sample/sft_mini_512.jsonl --max_seq_len 256 --batch_size 16 --learning_rate 1e-3 \
-        --warmup_steps 10 --epochs 3 --max_minutes "${SFT_MINUTES:-3}" --log_interval 10 --save_interval 200 \
-        --out_dir out/sft
+        --data_path dataset/sample/sft_mini_512.jsonl --max_seq_len 160 --batch_size 16 --learning_rate 1e-3 \
+        --warmup_steps 10 --epochs 2 --max_steps 300 --max_minutes "${SFT_MINUTES:-3.5}" --log_interval 10 \
+        --save_interval 100 --out_dir out/sft
 fi
 
 echo "== chat on the preset prompts"

@@ -67,6 +67,8 @@ SYSTEM_PROMPTS = [
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
                  "Find it and memorize them. I will quiz you about the important information there.")
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
 
 
 def zh_number(n):
@@ -333,8 +335,8 @@ def preset_prompts():
         ("佐维亚的首都是哪里？", "塔伦"),
         ("How old is Ana?", "23"),
         ("安娜是做什么工作的？", "老师"),
-        ("What is 3 + 5?", "8"),
-        ("三加五等于几？", "八"),
+        ("What is 3 + 5?", "3 + 5 = 8"),
+        ("三加五等于几？", "三加五等于八"),
     ]
 
 
@@ -348,9 +350,9 @@ def make_passkey(rng, num_docs, min_fillers=4, max_fillers=31):
         num_fillers = rng.randint(min_fillers, max_fillers)
         depth = rng.randint(0, num_fillers)
         parts = ([PASSKEY_INTRO] + [PASSKEY_FILLER] * depth
-                 + [f"The pass key is {key}. Remember it. {key} is the pass key."]
+                 + [PASSKEY_KEY_LINE.format(key=key)]
                  + [PASSKEY_FILLER] * (num_fillers - depth)
-                 + [f"What is the pass key? The pass key is {key}."])
+                 + [f"{PASSKEY_QUESTION} {key}."])
         yield {"text": " ".join(parts)}
 
 

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
@@ -62,13 +61,6 @@ PretrainDataset.__getitem__ = logged_read
 train_pretrain.main(train_pretrain.STAGE)
 """
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,6 @@ TOKENIZER_DIR = REPO_ROOT / "model" / "tokenizer"
 SHORT = ["--max_new_tokens", "6", "--temperature", "0"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -50,13 +50,6 @@ train_pretrain.main(train_pretrain.STAGE, sys.argv[1:])
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(autouse=True)
 def user_cache_in_tmp(tmp_path, monkeypatch):

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from model import MiniMindForCausalLM
 from trainer import train_full_sft, train_pretrain
@@ -25,14 +24,6 @@ SMALL_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len
 PEOPLE = [("Alice", "Paris", "France"), ("Bruno", "Rome", "Italy"), ("Chen", "Beijing", "China"),
           ("Dana", "Madrid", "Spain"), ("Emil", "Berlin", "Germany"), ("Fumi", "Tokyo", "Japan")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Module scope, so it is in force before the module-scoped runs below too.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_jsonl(path, records):

@@ -1,0 +1,327 @@
+"""Passkey retrieval: can the model find a 5-digit key hidden at some depth of a long, boring prompt?
+
+    python scripts/eval_passkey.py --load out/long_ann --lengths 512 1024 2048 4096
+    python scripts/eval_passkey.py --load out/long_ann --attn ann --retrieval hnsw --lengths 65536 \\
+        --depths 0.5 --threads 1 --json out/passkey_hnsw.json
+    python scripts/eval_passkey.py --load out/long_dense --trials 10 --lang zh
+
+The prompt is the Landmark Attention passkey test, worded exactly like the documents of
+dataset/sample/passkey_long.jsonl (scripts/make_sample_data.py): the instruction, the filler
+repeated, the key line at the requested depth, more filler, then the question:
+
+    There is an important info hidden ... The grass is green. ... There and back again. ...
+    The pass key is 71432. Remember it. 71432 is the pass key. The grass is green. ...
+    What is the pass key? The pass key is
+
+A trial counts as correct when the first integer of the greedy continuation equals the key.
+Prompts are built to a target length in tokens by choosing how many filler sentences to use, and
+the depth (0 = right after the instruction, 1 = right before the question) is a fraction of them.
+Generation goes through model.stream_generate, which prefills the prompt through the KV cache in
+--prefill_chunk tokens at a time, so memory stays bounded at 64k-131k tokens.
+
+--load takes what scripts/eval_chat.py takes (model folder, out dir or checkpoint .pt), and
+--attn/--retrieval switch the same weights between dense and ANN attention.
+--json PATH writes {"config", "rows", "peak_rss_mb"} and a plot next to it (PATH with .png).
+Exit codes: 0 done, 2 bad arguments or nothing loadable.
+"""
+
+import json
+import random
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from transformers.utils import logging as transformers_logging
+
+from model.config import ATTN_IMPLS, RETRIEVERS
+from scripts.eval_chat import OneLineParser, UsageError, load_model, resolve_load_path
+from scripts.make_sample_data import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_KEY_LINE, PASSKEY_QUESTION
+
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class PasskeyTexts:
+    intro: str
+    filler: str
+    key_line: str  # formatted with key=...
+    question: str
+    joiner: str  # between the parts: a space in English, nothing in Chinese
+
+
+PASSKEY_TEXTS = {
+    "en": PasskeyTexts(
+        intro=PASSKEY_INTRO,
+        filler=PASSKEY_FILLER,
+        key_line=PASSKEY_KEY_LINE,
+        question=PASSKEY_QUESTION,
+        joiner=" ",
+    ),
+    "zh": PasskeyTexts(
+        intro="在大量无关的文字中藏着一条重要信息。找到它并记住它。我会就其中的重要信息考你。",
+        filler="草是绿的。天是蓝的。太阳是黄的。我们出发吧。去了又回来。",
+        key_line="通行密钥是{key}。记住它。{key}是通行密钥。",
+        question="通行密钥是什么？通行密钥是",
+        joiner="",
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- prompts and answers
+
+
+def filler_sentences(texts):
+    """The filler split into its sentences, so a prompt can stop mid-filler on a sentence boundary."""
+    return [sentence for sentence in re.split(r"(?<=[.。])\s*", texts.filler) if sentence]
+
+
+def prompt_text(texts, num_sentences, key_after, key):
+    """Instruction, num_sentences filler sentences with the key line after the first key_after, question."""
+    sentences = filler_sentences(texts)
+    filler = [sentences[i % len(sentences)] for i in range(num_sentences)]
+    parts = [texts.intro, *filler[:key_after], texts.key_line.format(key=key), *filler[key_after:], texts.question]
+    return texts.joiner.join(parts)
+
+
+def build_prompt(tokenizer, length, depth, key, lang="en"):
+    """Token ids of a passkey prompt of about `length` tokens with the key line at `depth` (0..1).
+
+    Whole filler sentences are added or removed until the prompt is as close to `length` as they
+    allow (within half a sentence, ~3 tokens); the key line goes after round(depth * sentences).
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    texts = PASSKEY_TEXTS[lang]
+
+    def encode(num_sentences):
+        text = prompt_text(texts, num_sentences, round(depth * num_sentences), key)
+        # verbose=False: the tokenizer would warn that prompts longer than its nominal limit overflow.
+        return tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+
+    shortest = len(encode(0))
+    if length < shortest:
+        raise ValueError(f"a {lang} passkey prompt needs at least {shortest} tokens, asked for {length}")
+    cycle = len(filler_sentences(texts))
+    tokens_per_sentence = (len(encode(cycle)) - shortest) / cycle
+    num_sentences = round((length - shortest) / tokens_per_sentence)
+    ids = encode(num_sentences)
+    # The estimate is off by a sentence or two at most; walk to the closest count.
+    step = 1 if len(ids) < length else -1
+    while num_sentences + step >= 0:
+        candidate = encode(num_sentences + step)
+        if abs(len(candidate) - length) >= abs(len(ids) - length):
+            break
+        num_sentences, ids = num_sentences + step, candidate
+    return ids
+
+
+def parse_answer(text):
+    """The first integer in the text (digits may touch letters), or None."""
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens):
+    """Greedy continuation of the prompt -> (text, prefill seconds, total seconds).
+
+    The prefill time is the time to the first new token; generation stops at a document or chat end.
+    """
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    answer_ids, prefill_s = [], None
+    start = time.perf_counter()
+    for token in model.stream_generate(
+        input_ids, max_new_tokens=max_new_tokens, temperature=0.0, prefill_chunk=prefill_chunk or None
+    ):
+        if prefill_s is None:
+            prefill_s = time.perf_counter() - start
+        if int(token) in end_ids:
+            break
+        answer_ids.append(int(token))
+    total_s = time.perf_counter() - start
+    return tokenizer.decode(answer_ids, skip_special_tokens=True), prefill_s, total_s
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def evaluate(model, tokenizer, lengths, depths, args):
+    """One trial per (length, depth), keys from one seeded RNG -> rows for the table and the JSON.
+
+    The keys depend only on --seed, so dense and ANN runs with the same seed see the same prompts.
+    """
+    config = model.config
+    retrieval = config.ann_retrieval if config.attn_impl == "ann" else None
+    rng = random.Random(args.seed)
+    rows = []
+    for length in lengths:
+        if length > config.max_position_embeddings:
+            print(f"note: {length} tokens is beyond the model's {config.max_position_embeddings} positions")
+        for depth in depths:
+            key = rng.randint(10000, 99999)
+            prompt_ids = build_prompt(tokenizer, length, depth, key, args.lang)
+            text, prefill_s, total_s = run_trial(model, tokenizer, prompt_ids, args.prefill_chunk,
+                                                 args.max_new_tokens)
+            correct = parse_answer(text) == key
+            print(f"length {length:>7} ({len(prompt_ids)} tokens) depth {depth:.2f} key {key} -> {text!r} "
+                  f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, total {total_s:.2f}s", flush=True)
+            rows.append({
+                "length": length, "depth": depth, "attn": config.attn_impl, "retrieval": retrieval,
+                "accuracy": float(correct), "trials": 1, "prompt_tokens": len(prompt_ids),
+                "prefill_seconds": round(prefill_s, 4), "seconds_per_trial": round(total_s, 4),
+            })
+    return rows
+
+
+def print_table(rows):
+    """Accuracy per length, averaged over depths, with the seconds one trial took."""
+    print(f"\n{'length':>8} {'accuracy':>9} {'trials':>7} {'prefill s':>10} {'s/trial':>8}")
+    for length in dict.fromkeys(row["length"] for row in rows):
+        group = [row for row in rows if row["length"] == length]
+        trials = sum(row["trials"] for row in group)
+        accuracy = sum(row["accuracy"] * row["trials"] for row in group) / trials
+        prefill = np.mean([row["prefill_seconds"] for row in group])
+        seconds = np.mean([row["seconds_per_trial"] for row in group])
+        print(f"{length:>8} {accuracy:>9.2f} {trials:>7} {prefill:>10.2f} {seconds:>8.2f}")
+    print(f"peak RSS {peak_rss_mb():.0f} MB")
+
+
+def plot(rows, title, png_path):
+    """Heatmap of accuracy by depth and length, and mean accuracy by length."""
+    lengths = sorted({row["length"] for row in rows})
+    depths = sorted({row["depth"] for row in rows})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for row in rows:
+        grid[depths.index(row["depth"]), lengths.index(row["length"])] = row["accuracy"]
+    fig, (heat, line) = plt.subplots(1, 2, figsize=(11, 4))
+    image = heat.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+    heat.set_xticks(range(len(lengths)), [str(length) for length in lengths], rotation=45)
+    heat.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
+    heat.set_xlabel("prompt length (tokens)")
+    heat.set_ylabel("key depth")
+    fig.colorbar(image, ax=heat, label="accuracy")
+    line.plot(lengths, np.nanmean(grid, axis=0), marker="o")
+    line.set_xscale("log", base=2)
+    line.set_xticks(lengths, [str(length) for length in lengths])
+    line.minorticks_off()
+    line.set_ylim(-0.05, 1.05)
+    line.set_xlabel("prompt length (tokens)")
+    line.set_ylabel("accuracy (mean over depths)")
+    line.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description="MiniMind passkey retrieval evaluation")
+    p.add_argument("--load", default="out/pretrain/model", help="model folder, out dir or checkpoint .pt")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096], help="prompt lengths in tokens")
+    spread = p.add_mutually_exclusive_group()
+    spread.add_argument("--depths", type=float, nargs="+", default=None,
+                        help=f"key depths in [0, 1], one trial each (default {' '.join(map(str, DEFAULT_DEPTHS))})")
+    spread.add_argument("--trials", type=int, default=None, help="trials per length, depths spread evenly over 0..1")
+    p.add_argument("--lang", choices=sorted(PASSKEY_TEXTS), default="en")
+    p.add_argument("--attn", choices=ATTN_IMPLS, default=None, help="override the model's attention")
+    p.add_argument("--retrieval", choices=RETRIEVERS, default=None, help="override the ANN block retrieval")
+    p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
+    p.add_argument("--max_new_tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="seeds the keys")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    if any(length <= 0 for length in args.lengths):
+        raise UsageError(f"--lengths must be positive, got {args.lengths}")
+    if args.depths is not None and not all(0.0 <= depth <= 1.0 for depth in args.depths):
+        raise UsageError(f"--depths must lie in [0, 1], got {args.depths}")
+    if args.trials is not None and args.trials <= 0:
+        raise UsageError(f"--trials must be positive, got {args.trials}")
+    if args.prefill_chunk < 0 or args.max_new_tokens <= 0:
+        raise UsageError("--prefill_chunk must be >= 0 and --max_new_tokens > 0")
+    if args.threads is not None and args.threads <= 0:
+        raise UsageError(f"--threads must be positive, got {args.threads}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device} requested but CUDA is not available")
+
+
+def trial_depths(args):
+    if args.trials is not None:
+        return [float(depth) for depth in np.linspace(0.0, 1.0, args.trials)]
+    return list(args.depths or DEFAULT_DEPTHS)
+
+
+def main(argv=None):
+    transformers_logging.disable_progress_bar()
+    try:
+        args = parse_args(argv)
+        validate_args(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        path = resolve_load_path(args.load)
+        model, tokenizer = load_model(path, args.attn, args.retrieval, torch.device(args.device))
+        depths = trial_depths(args)
+        for length in sorted(set(args.lengths)):
+            try:
+                build_prompt(tokenizer, length, 0.0, 10000, args.lang)
+            except ValueError as error:
+                raise UsageError(f"--lengths: {error}") from None
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    config = model.config
+    attention = config.attn_impl
+    if config.attn_impl == "ann":
+        attention += (f" (window {config.ann_window}, blocks of {config.ann_block_size}, top {config.ann_top_n}, "
+                      f"{config.ann_retrieval} retrieval)")
+    num_parameters = sum(p.numel() for p in model.parameters())
+    print(f"model: {path}, {num_parameters / 1e6:.2f}M parameters, {attention} attention, "
+          f"{torch.get_num_threads()} threads, prefill chunk {args.prefill_chunk or 'whole prompt'}")
+    rows = evaluate(model, tokenizer, args.lengths, depths, args)
+    print_table(rows)
+
+    if args.json:
+        json_path = Path(args.json)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        run_config = {
+            "load": str(path), "attn": config.attn_impl, "retrieval": config.ann_retrieval,
+            "ann_window": config.ann_window, "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n,
+            "parameters": num_parameters, "lang": args.lang, "lengths": args.lengths, "depths": depths,
+            "prefill_chunk": args.prefill_chunk, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "threads": torch.get_num_threads(), "device": args.device,
+        }
+        result = {"config": run_config, "rows": rows, "peak_rss_mb": round(peak_rss_mb(), 1)}
+        json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        title = f"passkey retrieval ({attention}): {path}"
+        plot(rows, title if len(title) < 90 else f"passkey retrieval ({config.attn_impl}): {path}",
+             json_path.with_suffix(".png"))
+        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Shared test set-up: one torch thread for the whole session.
+
+CI has 2 cores; tests that spawn training subprocesses, DDP workers or FAISS searches run beside
+the pytest process, and OpenMP thread pools that oversubscribe the cores slow everything down
+several times over. One thread keeps timings stable and results deterministic.
+"""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,159 @@
+"""scripts/eval_passkey.py: the prompt builder (length, key line, depth, Chinese), the answer parser,
+and an in-process run on a ~0.1M-parameter random ANN model writing JSON and a plot."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from scripts import eval_passkey
+from scripts.eval_passkey import PASSKEY_TEXTS, build_prompt, filler_sentences, parse_answer
+from scripts.make_sample_data import PASSKEY_FILLER, PASSKEY_INTRO, make_passkey
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+KEY = 48213
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO_ROOT / "model" / "tokenizer")
+
+
+def key_depth(text, lang):
+    """Where the key line sits in the filler, as a fraction of the filler's characters."""
+    texts = PASSKEY_TEXTS[lang]
+    key_line = texts.key_line.format(key=KEY)
+    before_key, after_key = text.split(key_line)
+    filler_before = len(before_key) - len(texts.intro + texts.joiner)
+    filler_after = len(after_key) - len(texts.joiner + texts.question)
+    return filler_before / max(filler_before + filler_after, 1), filler_before + filler_after
+
+
+def test_english_wording_is_the_sample_datas():
+    texts = PASSKEY_TEXTS["en"]
+    assert (texts.intro, texts.filler) == (PASSKEY_INTRO, PASSKEY_FILLER)
+    assert " ".join(filler_sentences(texts)) == PASSKEY_FILLER
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("length", [200, 1000, 5000])
+def test_prompt_has_the_target_length_and_one_key_line(tokenizer, lang, length):
+    ids = build_prompt(tokenizer, length, 0.5, KEY, lang)
+    assert abs(len(ids) - length) <= 4
+    text = tokenizer.decode(ids)
+    texts = PASSKEY_TEXTS[lang]
+    assert text.count(texts.key_line.format(key=KEY)) == 1
+    assert text.startswith(texts.intro) and text.endswith(texts.question)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 0.75, 1.0])
+def test_key_line_sits_at_the_requested_depth(tokenizer, lang, depth):
+    text = tokenizer.decode(build_prompt(tokenizer, 1500, depth, KEY, lang))
+    found, filler_chars = key_depth(text, lang)
+    longest_sentence = max(len(sentence) + 1 for sentence in filler_sentences(PASSKEY_TEXTS[lang]))
+    assert abs(found - depth) <= longest_sentence / filler_chars
+
+
+def test_prompt_is_a_training_document_without_its_answer(tokenizer):
+    """With whole fillers, the builder reproduces make_passkey's documents up to "The pass key is"."""
+    for document in make_passkey(random.Random(0), 5):
+        prompt, answer = document["text"].rsplit(" ", 1)
+        key = int(answer.rstrip("."))
+        fillers_before = prompt.split("The pass key is")[0].count(PASSKEY_FILLER)
+        num_fillers = prompt.count(PASSKEY_FILLER)
+        ids = build_prompt(tokenizer, len(tokenizer(prompt).input_ids), fillers_before / num_fillers, key)
+        assert tokenizer.decode(ids) == prompt
+
+
+def test_chinese_prompt_is_chinese(tokenizer):
+    text = tokenizer.decode(build_prompt(tokenizer, 300, 0.5, KEY, "zh"))
+    assert "草是绿的。" in text and f"通行密钥是{KEY}。" in text and "The grass" not in text
+
+
+def test_too_short_or_bad_depth_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="at least"):
+        build_prompt(tokenizer, 20, 0.5, KEY)
+    with pytest.raises(ValueError, match="depth"):
+        build_prompt(tokenizer, 500, 1.5, KEY)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (" 48213. Remember", 48213),
+        ("   48213", 48213),
+        ("key48213abc 777", 48213),
+        ("是48213。", 48213),
+        (" the grass is green", None),
+        ("", None),
+        ("12 34", 12),
+    ],
+)
+def test_parse_answer_takes_the_first_integer(text, expected):
+    assert parse_answer(text) == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            attn_impl="ann", ann_window=32, ann_block_size=16, ann_top_n=2,
+                            max_position_embeddings=256)
+    folder = tmp_path_factory.mktemp("tiny_ann")
+    MiniMindForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
+def test_end_to_end_writes_json_and_png(tiny_model_dir, tmp_path, capsys, retrieval):
+    json_path = tmp_path / f"passkey_{retrieval}.json"
+    code = eval_passkey.main([
+        "--load", str(tiny_model_dir), "--lengths", "200", "300", "--trials", "3", "--attn", "ann",
+        "--retrieval", retrieval, "--prefill_chunk", "128", "--max_new_tokens", "4", "--json", str(json_path),
+    ])
+    out = capsys.readouterr().out
+    assert code == 0
+    result = json.loads(json_path.read_text())
+    assert result["config"]["retrieval"] == retrieval and result["config"]["depths"] == [0.0, 0.5, 1.0]
+    assert [(row["length"], row["depth"]) for row in result["rows"]] == [
+        (length, depth) for length in (200, 300) for depth in (0.0, 0.5, 1.0)
+    ]
+    for row in result["rows"]:
+        assert {"length", "depth", "attn", "retrieval", "accuracy", "trials"} <= set(row)
+        assert row["attn"] == "ann" and row["retrieval"] == retrieval and row["accuracy"] in (0.0, 1.0)
+        assert abs(row["prompt_tokens"] - row["length"]) <= 4
+    assert result["peak_rss_mb"] > 0
+    assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "note: 300 tokens is beyond the model's 256 positions" in out
+    assert "s/trial" in out
+
+
+def test_same_seed_same_keys_for_dense_and_ann(tiny_model_dir, tmp_path, capsys):
+    keys = []
+    for attn in ("dense", "ann"):
+        assert eval_passkey.main(["--load", str(tiny_model_dir), "--lengths", "150", "--depths", "0.5",
+                                  "--attn", attn, "--max_new_tokens", "1", "--seed", "7"]) == 0
+        keys.append([line.split(" key ")[1].split()[0] for line in capsys.readouterr().out.splitlines()
+                     if " key " in line])
+    assert keys[0] == keys[1] and len(keys[0]) == 1
+
+
+@pytest.mark.parametrize("argv", [["--depths", "1.5"], ["--lengths", "10"], ["--trials", "0"],
+                                  ["--depths", "0.5", "--trials", "2"]])
+def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv):
+    assert eval_passkey.main(["--load", str(tiny_model_dir), *argv]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_runs_as_a_file():
+    result = subprocess.run([sys.executable, "scripts/eval_passkey.py", "--help"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--prefill_chunk" in result.stdout
