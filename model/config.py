@@ -41,7 +41,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_block_size=16,
         ann_top_n=4,
         ann_retrieval="exact",
-        ann_auto_threshold=4096,
+        ann_auto_threshold=16384,
         hnsw_m=32,
         hnsw_ef_construction=80,
         hnsw_ef_search=64,

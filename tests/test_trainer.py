@@ -159,6 +159,8 @@ def test_corrupt_latest_checkpoint_is_skipped(data_dir, tmp_path, capsys):
         (["--learning_rate", "-1"], "--learning_rate must be a positive number"),
         (["--attn", "sparse"], "attn_impl must be one of"),
         (["--hidden_size", "60"], "must divide hidden_size"),
+        (["--ann_window", "40", "--ann_block_size", "16"], "must be a multiple of ann_block_size"),
+        (["--ann_retrieval", "faiss"], "ann_retrieval must be one of"),
         (["--from_weight", "no/such/folder"], "not a saved model folder"),
         (["--use_wandb"], "wandb"),
     ],
