@@ -42,6 +42,7 @@ def test_endpoint_precedence_follows_the_modelscope_client(monkeypatch):
 def test_probe_gives_up_on_a_hanging_name_lookup_within_its_timeout(monkeypatch):
     def hanging_connection(*args, **kwargs):
         time.sleep(5)
+        raise socket.gaierror("name lookup gave up")  # what a hung lookup ends in, long after the probe
 
     monkeypatch.setattr(socket, "create_connection", hanging_connection)
     started = time.monotonic()

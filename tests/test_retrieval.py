@@ -1,0 +1,119 @@
+"""Retrievers: exact top-n by inner product, HNSW agreeing with it, auto switching between them."""
+
+import numpy as np
+import pytest
+import torch
+
+from model import MiniMindConfig
+from model.retrieval import AutoRetriever, HnswRetriever, build_retriever, candidate_count, exact_select
+
+
+def structured_summaries(num_blocks, dim=32, topics=12, seed=0):
+    """Block summaries that look like a document's: a drifting mean plus recurring topics, not i.i.d."""
+    generator = np.random.default_rng(seed)
+    topic_vectors = generator.normal(size=(topics, dim)) * 2.0
+    drift = np.cumsum(generator.normal(scale=0.05, size=(num_blocks, dim)), axis=0)
+    topic_of_block = np.repeat(generator.integers(0, topics, size=num_blocks // 4 + 1), 4)[:num_blocks]
+    vectors = drift + topic_vectors[topic_of_block] + generator.normal(scale=0.5, size=(num_blocks, dim))
+    queries = topic_vectors[generator.integers(0, topics, size=64)] + generator.normal(scale=0.5, size=(64, dim))
+    as_tensor = lambda array: torch.tensor(array, dtype=torch.float32)[None, None]  # noqa: E731
+    return as_tensor(queries), as_tensor(vectors)
+
+
+def selected_sets(block_ids, valid):
+    return [set(ids[ok].tolist()) for ids, ok in zip(block_ids.reshape(-1, block_ids.shape[-1]), valid.reshape(-1, valid.shape[-1]))]
+
+
+def recall(found, expected):
+    return np.mean([len(a & b) / len(b) if b else 1.0 for a, b in zip(found, expected)])
+
+
+def test_candidate_count_follows_the_definition():
+    positions = torch.arange(100)[None]
+    counts = candidate_count(positions, window=32, block_size=8)
+    expected = [sum(1 for j in range(20) if j * 8 <= t - 32) for t in range(100)]
+    assert counts[0].tolist() == expected
+
+
+def test_exact_select_uses_only_real_candidates():
+    queries, summaries = structured_summaries(10)
+    limits = torch.tensor([[0, 1, 2, 10] * 16])
+    block_ids, valid = exact_select(queries, summaries, limits, top_n=3)
+    assert valid[0, 0, 0].sum() == 0 and valid[0, 0, 1].sum() == 1 and valid[0, 0, 2].sum() == 2
+    scores = (queries @ summaries.transpose(-1, -2))[0, 0, 3]
+    assert set(block_ids[0, 0, 3].tolist()) == set(scores.topk(3).indices.tolist())
+    assert len(set(block_ids[0, 0, 3].tolist())) == 3
+
+
+def test_hnsw_recall_on_structured_keys_at_the_default_settings():
+    config = MiniMindConfig()
+    queries, summaries = structured_summaries(2048)
+    limits = torch.full((1, 64), 2048)
+    exact = selected_sets(*exact_select(queries, summaries, limits, 4))
+    retriever = HnswRetriever(config.hnsw_m, config.hnsw_ef_construction, config.hnsw_ef_search)
+    hnsw = selected_sets(*retriever.select(queries, summaries, limits, 4))
+    assert recall(hnsw, exact) >= 0.95
+
+
+@pytest.mark.parametrize("num_blocks", [1, 5, 150])
+def test_hnsw_selects_the_same_blocks_as_exact_where_its_recall_is_exact(num_blocks):
+    queries, summaries = structured_summaries(num_blocks, seed=num_blocks)
+    limits = torch.randint(0, num_blocks + 1, (1, 64))
+    retriever = HnswRetriever(32, 80, 256)
+    assert selected_sets(*retriever.select(queries, summaries, limits, 4)) == selected_sets(
+        *exact_select(queries, summaries, limits, 4)
+    )
+
+
+def test_hnsw_grows_incrementally_and_survives_norm_growth():
+    queries, summaries = structured_summaries(300)
+    summaries[:, :, 200:] *= 3.0  # later blocks longer than the graph's first radius: a rebuild
+    retriever = HnswRetriever(32, 80, 256)
+    radii = []
+    for limit in (10, 120, 300):
+        limits = torch.full((1, 64), limit)
+        found = selected_sets(*retriever.select(queries, summaries, limits, 4))
+        assert recall(found, selected_sets(*exact_select(queries, summaries, limits, 4))) >= 0.95
+        radii.append(retriever.graphs[0][0].radius)
+    assert radii[2] > radii[1] and len(retriever.block_ids[0]) == 300
+
+
+def test_auto_switches_at_the_threshold():
+    queries, summaries = structured_summaries(64)
+    retriever = AutoRetriever(32, 32, 80, 64)
+    retriever.select(queries, summaries, torch.full((1, 64), 31), 4)
+    assert retriever.hnsw.graphs is None
+    retriever.select(queries, summaries, torch.full((1, 64), 40), 4)
+    assert len(retriever.hnsw.block_ids[0]) == 40
+
+
+def test_hnsw_state_is_tied_to_its_batch():
+    queries, summaries = structured_summaries(20)
+    retriever = HnswRetriever(32, 80, 64)
+    retriever.select(queries, summaries, torch.full((1, 64), 20), 4)
+    with pytest.raises(ValueError, match="holds 1 sequences, the call has 2"):
+        retriever.select(queries.expand(2, -1, -1, -1), summaries.expand(2, -1, -1, -1), torch.full((2, 64), 20), 4)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(ann_window=40, ann_block_size=16), "must be a multiple of ann_block_size"),
+        (dict(ann_retrieval="faiss"), "ann_retrieval must be one of"),
+        (dict(attn_impl="sparse"), "attn_impl must be one of"),
+        (dict(ann_top_n=-1), "ann_top_n must be a non-negative integer"),
+        (dict(hidden_size=100, num_attention_heads=3), "must divide hidden_size"),
+        (dict(num_attention_heads=8, num_key_value_heads=3), "must divide num_attention_heads"),
+        (dict(hnsw_m=0), "hnsw_m must be a positive integer"),
+    ],
+)
+def test_invalid_settings_fail_with_a_clear_message(settings, message):
+    with pytest.raises(ValueError, match=message):
+        MiniMindConfig(**settings)
+
+
+def test_build_retriever_names():
+    config = MiniMindConfig()
+    assert type(build_retriever(config, "hnsw")).__name__ == "HnswRetriever"
+    with pytest.raises(ValueError, match="unknown retrieval"):
+        build_retriever(config, "nearest")
