@@ -108,23 +108,27 @@ def dense_attention(q, keys, values, starts):
     """Causal attention of q (b, h, s, d) at positions starts + i over keys/values (b, hkv, t, d).
 
     starts None means the s queries and keys are one sequence from position 0 (is_causal SDPA).
-    With a cache, the query heads of each KV group are folded into the query axis instead of
-    repeating the whole cache per head, which would cost O(t) copies per decoded token.
+    Decoding (s == 1) folds the query heads of each KV group into the query axis instead of
+    repeating the whole cache per head, which would cost O(t) copies per token; longer chunks
+    repeat the keys once and share one (b, 1, s, t) mask across heads.
     """
     b, h, s, d = q.shape
     kv_heads = keys.shape[1]
     groups = h // kv_heads
+    if s == 1 and starts is not None:
+        mask = None
+        if not bool((starts == keys.shape[2] - 1).all()):
+            mask = (torch.arange(keys.shape[2], device=q.device)[None, :] <= starts[:, None])[:, None, None]
+        folded = q.reshape(b, kv_heads, groups, d)
+        return F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask).view(b, h, 1, d)
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
     if starts is None or (bool((starts == 0).all()) and keys.shape[2] == s):
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-    folded = q.reshape(b, kv_heads, groups * s, d)
-    query_positions = (starts[:, None] + torch.arange(s, device=q.device)).repeat(1, groups)
-    mask = None
-    if not (s == 1 and bool((starts == keys.shape[2] - 1).all())):
-        mask = (torch.arange(keys.shape[2], device=q.device)[None, None, :] <= query_positions[:, :, None])[:, None]
-    return F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask).view(b, h, s, d)
+    query_positions = starts[:, None] + torch.arange(s, device=q.device)
+    visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= query_positions[:, :, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
 
 
 class DenseAttention:
