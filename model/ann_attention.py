@@ -186,16 +186,15 @@ class AnnLayerCache(KVBuffer):
 
 
 class AnnAttention:
-    def __init__(self, config, retrieval=None):
+    def __init__(self, config):
         self.kv_heads = config.num_key_value_heads
         self.window = config.ann_window
         self.block_size = config.ann_block_size
         self.top_n = config.ann_top_n
         self.config = config
-        self.retrieval = retrieval or config.ann_retrieval
 
     def new_layer_cache(self, reserve=0):
-        return AnnLayerCache(build_retriever(self.config, self.retrieval), reserve, self.block_size)
+        return AnnLayerCache(build_retriever(self.config), reserve, self.block_size)
 
     def covers_everything(self, last_position):
         """True when no query up to last_position has more candidate blocks than top_n: dense is exact."""
@@ -220,7 +219,7 @@ class AnnAttention:
                 layer_cache.update_summaries(first, ends, self.block_size)
             return dense_attention(q, keys, values, starts)
         if layer_cache is None:
-            retriever = build_retriever(self.config, self.retrieval)
+            retriever = build_retriever(self.config)
             summaries = block_means(k, 0, s // self.block_size, self.block_size)
         else:
             retriever = layer_cache.retriever

@@ -58,9 +58,6 @@ def exact_select(group_queries, summaries, limits, top_n):
 
 
 class ExactRetriever:
-    def add_candidates(self, summaries, limits):
-        pass
-
     def select(self, group_queries, summaries, limits, top_n):
         return exact_select(group_queries, summaries, limits, top_n)
 
@@ -187,10 +184,6 @@ class AutoRetriever:
     def __init__(self, threshold, m, ef_construction, ef_search):
         self.threshold = threshold
         self.hnsw = HnswRetriever(m, ef_construction, ef_search)
-
-    def add_candidates(self, summaries, limits):
-        if int(limits.max()) >= self.threshold:
-            self.hnsw.add_candidates(summaries, limits)
 
     def select(self, group_queries, summaries, limits, top_n):
         if int(limits.max()) >= self.threshold:
