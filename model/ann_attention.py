@@ -14,7 +14,14 @@ Definition (one semantics for training, prefill and decoding). Block j holds pos
                       chosen per token and per kv head (model/retrieval.py);
     attended keys:    the window plus the selected blocks' positions <= t-W, under one softmax per
                       query head. No key counts twice, and missing candidates are just missing.
-When top_n covers every candidate this is dense causal attention, and the code takes SDPA then.
+    positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
+                      keys, with ann_block_position "capped" (the default), all sit at the distance
+                      W + (t mod W): just beyond the window, inside the distances training covers at
+                      any context length; summaries and selection use the same frame, so which block
+                      wins does not depend on how far back it lies. With "true" they keep their real
+                      distance, and when top_n covers every candidate this is dense causal attention.
+The t mod W (rather than a constant W) lets the W queries of an aligned chunk share one copy of the
+retrieved keys rotated to their frame, so training runs fused SDPA per chunk (docs/LONG_CONTEXT.md).
 
 Cost. Queries are processed in tiles of T: a tile's window is one slab of T+W-1 keys and each
 query gathers its n*B block keys, so memory is O(T*(T+W+n*B)) per tile and O(s*(W+n*B)) in all,
@@ -108,12 +115,12 @@ def gather_blocks(keys, block_ids, block_size):
     return gathered.view(b, g, block_ids.shape[2], -1, d)
 
 
-def attend_tile(q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk):
+def attend_tile(q, block_q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk):
     """Attention of one tile of queries over its window slab and its retrieved blocks.
 
-    q (b, g, r, T, d) with T = c * C, and C = W or c = 1; slab_k/v (b, g, T+W, d) and
-    slab_positions (b, T+W) start W-1 before the first query; block_k/v (b, g, T, n*B, d);
-    block_visible (b, g, T, n*B) -> out (b, g, r, T, d).
+    q (b, g, r, T, d) with T = c * C, and C = W or c = 1, in the window keys' frame; block_q like q,
+    in the block keys' frame; slab_k/v (b, g, T+W, d) and slab_positions (b, T+W) start W-1 before
+    the first query; block_k/v (b, g, T, n*B, d); block_visible (b, g, T, n*B) -> out (b, g, r, T, d).
 
     Queries go in chunks of C: each query scores the C+W keys of its chunk, not the tile's slab.
     """
@@ -134,7 +141,7 @@ def attend_tile(q, slab_k, slab_v, slab_positions, block_k, block_v, block_visib
         weights = window_logits.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
         out = weights.view(b, g, num_chunks, r * chunk, span) @ chunk_values
     else:
-        block_logits = q.transpose(2, 3) @ block_k.transpose(-1, -2)  # (b, g, T, r, n*B)
+        block_logits = block_q.transpose(2, 3) @ block_k.transpose(-1, -2)  # (b, g, T, r, n*B)
         block_logits = block_logits.view(b, g, num_chunks, chunk, r, -1).transpose(3, 4).mul(scale)
         block_mask = block_visible.view(b, g, num_chunks, 1, chunk, -1)
         block_logits = block_logits.masked_fill(~block_mask, NEG_INF)
@@ -147,20 +154,43 @@ def attend_tile(q, slab_k, slab_v, slab_positions, block_k, block_v, block_visib
     return out.view(b, g, num_chunks, r, chunk, d).transpose(2, 3).reshape(q.shape)
 
 
-def selection_mask(block_ids, valid, length, window, block_size):
-    """The keys each query of a sequence from position 0 sees, as a mask.
+def window_band(num_queries, first_query, first_key, num_keys, window, device):
+    """(s, t) bool: query first_query + i sees key first_key + j in its window (distance 0 .. W-1)."""
+    offset = (first_key + torch.arange(num_keys, device=device))[None, :]
+    offset = offset - (first_query + torch.arange(num_queries, device=device))[:, None]
+    return (offset <= 0) & (offset > -window)
 
-    block_ids/valid (b, g, s, n) -> (b, g, s, s) bool: window keys plus selected keys older than it.
+
+def far_mask(block_ids, valid, length, window, block_size):
+    """The retrieved keys each query of a sequence from position 0 sees, as a mask.
+
+    block_ids/valid (b, g, s, n) -> (b, g, s, s) bool: keys of selected blocks older than the window.
     """
     positions = torch.arange(length, device=block_ids.device)
-    offset = positions[None, :] - positions[:, None]
-    in_window = (offset <= 0) & (offset > -window)
+    older = positions[None, :] <= positions[:, None] - window
     num_blocks = -(-length // block_size)
     # Invalid slots all point at one extra column, so they never overwrite a real selection.
     selected = torch.zeros(*block_ids.shape[:3], num_blocks + 1, dtype=torch.bool, device=block_ids.device)
     selected.scatter_(3, block_ids.masked_fill(~valid, num_blocks), True)
-    selected_keys = selected[..., :num_blocks].repeat_interleave(block_size, dim=3)[..., :length]
-    return in_window | (selected_keys & (offset <= -window))
+    return selected[..., :num_blocks].repeat_interleave(block_size, dim=3)[..., :length] & older
+
+
+def folded_sdpa(q, keys, values, mask):
+    """q (b, h, s, d), keys/values (b, g, t, d), mask (b, g, s, t) shared by a group -> (b, h, s, d).
+
+    The query heads of a KV group fold into the query axis, so keys are never repeated per head.
+    """
+    b, h, s, d = q.shape
+    g, t = keys.shape[1], keys.shape[2]
+    r = h // g
+    folded_mask = mask[:, :, None].expand(b, g, r, s, t).reshape(b, g, r * s, t)
+    out = F.scaled_dot_product_attention(q.reshape(b, g, r * s, d), keys, values, attn_mask=folded_mask)
+    return out.view(b, h, s, d)
+
+
+def far_positions(query_positions, window):
+    """query_positions (b, s) -> (b, s): the distance W + (t mod W) at which capped retrieved keys sit."""
+    return window + query_positions % window
 
 
 class AnnLayerCache(KVBuffer):
@@ -191,33 +221,44 @@ class AnnAttention:
         self.window = config.ann_window
         self.block_size = config.ann_block_size
         self.top_n = config.ann_top_n
+        self.capped = config.ann_block_position == "capped"
         self.config = config
 
     def new_layer_cache(self, reserve=0):
         return AnnLayerCache(build_retriever(self.config), reserve, self.block_size)
 
-    def covers_everything(self, last_position):
-        """True when no query up to last_position has more candidate blocks than top_n: dense is exact."""
+    def is_dense(self, last_position):
+        """True when dense causal attention is exact for every query up to last_position.
+
+        With capped positions only while every key is in the window; with true positions also
+        while no query has more candidate blocks than top_n.
+        """
+        if self.capped:
+            return last_position < self.window
         return (last_position - self.window) // self.block_size + 1 <= self.top_n
 
-    def __call__(self, q, k, v, starts, ends, layer_cache):
-        """q (b, h, s, d), k/v (b, g, s, d) of the new tokens -> out (b, h, s, d).
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+        """q (b, h, s, d), k/v (b, g, s, d) of the new tokens, unrotated -> out (b, h, s, d).
 
         starts None: a causal pass over a whole sequence from position 0 without cache (training).
         Else starts (b,) and ends (b,) give each row's first new position and its end of real
-        tokens, and layer_cache is this layer's AnnLayerCache.
+        tokens, and layer_cache is this layer's AnnLayerCache. The cache stores keys in the frame
+        that blocks are scored and read in: unrotated when capped, rotated otherwise.
         """
         b, h, s, d = q.shape
         first = torch.zeros(b, dtype=torch.long, device=q.device) if starts is None else starts
         ends = first + s if ends is None else ends
+        query_positions = rope.positions
+        q, block_q, k = self.frames(q, k, rope)
         if layer_cache is None:
             keys, values = k, v
         else:
             keys, values = layer_cache.append(k, v, first)
-        if self.covers_everything(int(first.max()) + s - 1):
+        last_position = int(first.max()) + s - 1
+        if self.is_dense(last_position):
             if layer_cache is not None:
                 layer_cache.update_summaries(first, ends, self.block_size)
-            return dense_attention(q, keys, values, starts)
+            return dense_attention(q, self.window_frame(keys, rope), values, starts)
         if layer_cache is None:
             retriever = build_retriever(self.config)
             summaries = block_means(k, 0, s // self.block_size, self.block_size)
@@ -225,10 +266,16 @@ class AnnAttention:
             retriever = layer_cache.retriever
             summaries = layer_cache.update_summaries(first, ends, self.block_size)
 
-        group_queries = group_query_sum(q.detach(), self.kv_heads)
+        group_queries = group_query_sum(block_q.detach(), self.kv_heads)
         if s <= MASKED_SDPA_MAX_LEN and bool((first == 0).all()):
-            return self.masked_sdpa(q, keys[:, :, :s], values[:, :, :s], group_queries, summaries, retriever, ends)
+            limits = candidate_count(torch.minimum(query_positions, ends[:, None] - 1), self.window, self.block_size)
+            with torch.no_grad():
+                top_n = min(self.top_n, int(limits.max()))
+                block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
+                far = far_mask(block_ids, valid, s, self.window, self.block_size)
+            return self.masked_sdpa(q, keys[:, :, :s], values[:, :, :s], far, rope)
         grouped_q = q.view(b, self.kv_heads, h // self.kv_heads, s, d)
+        grouped_block_q = block_q.view(grouped_q.shape)
         tiles = []
         for tile_begin in range(0, s, QUERY_TILE):
             tile_len = min(QUERY_TILE, s - tile_begin)
@@ -236,38 +283,70 @@ class AnnAttention:
             padded_len = -(-tile_len // chunk) * chunk
             pad = (0, 0, 0, padded_len - tile_len)
             tile_first = first + tile_begin
-            query_positions = tile_first[:, None] + torch.arange(padded_len, device=q.device)
+            tile_positions = tile_first[:, None] + torch.arange(padded_len, device=q.device)
             slab_k, slab_v, slab_positions = window_slab(keys, values, tile_first, padded_len, self.window)
+            if self.capped:
+                slab_k = rope.at(slab_k, slab_positions)
             block_k = block_v = block_visible = None
-            if self.top_n:
-                real_positions = torch.minimum(query_positions, ends[:, None] - 1)
-                limits = candidate_count(real_positions, self.window, self.block_size)
+            real_positions = torch.minimum(tile_positions, ends[:, None] - 1)
+            limits = candidate_count(real_positions, self.window, self.block_size)
+            # No query has more than limits.max() candidates: more slots would only be padding.
+            top_n = min(self.top_n, int(limits.max()))
+            if top_n:
                 with torch.no_grad():
                     tile_queries = F.pad(group_queries[:, :, tile_begin : tile_begin + tile_len], pad)
-                    block_ids, valid = retriever.select(tile_queries, summaries, limits, self.top_n)
+                    block_ids, valid = retriever.select(tile_queries, summaries, limits, top_n)
                 block_k = gather_blocks(keys, block_ids, self.block_size)
                 block_v = gather_blocks(values, block_ids, self.block_size)
                 key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device)
-                older_than_window = key_positions <= (query_positions - self.window)[:, None, :, None, None]
+                older_than_window = key_positions <= (tile_positions - self.window)[:, None, :, None, None]
                 block_visible = (valid[..., None] & older_than_window).flatten(-2)
-            tile_q = F.pad(grouped_q[:, :, :, tile_begin : tile_begin + tile_len], pad)
+            tile = slice(tile_begin, tile_begin + tile_len)
             out = attend_tile(
-                tile_q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, self.window, chunk
+                F.pad(grouped_q[:, :, :, tile], pad),
+                F.pad(grouped_block_q[:, :, :, tile], pad),
+                slab_k, slab_v, slab_positions, block_k, block_v, block_visible, self.window, chunk,
             )
             tiles.append(out[:, :, :, :tile_len])
         return torch.cat(tiles, dim=3).reshape(b, h, s, d)
 
-    def masked_sdpa(self, q, keys, values, group_queries, summaries, retriever, ends):
-        """Whole sequences from position 0: select every query's blocks at once, run fused SDPA."""
-        b, h, s, d = q.shape
-        positions = torch.arange(s, device=q.device).expand(b, s)
-        limits = candidate_count(torch.minimum(positions, ends[:, None] - 1), self.window, self.block_size)
-        with torch.no_grad():
-            block_ids, valid = retriever.select(group_queries, summaries, limits, self.top_n)
-            mask = selection_mask(block_ids, valid, s, self.window, self.block_size)
-        groups = h // self.kv_heads
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-            mask = mask[:, :, None].expand(b, self.kv_heads, groups, s, s).reshape(b, h, s, s)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    def frames(self, q, k, rope):
+        """Unrotated q (b, h, s, d), k (b, g, s, d) -> (q for window keys, q for block keys, k to store)."""
+        if self.capped:
+            return rope(q), rope.at(q, far_positions(rope.positions, self.window)), k
+        q = rope(q)
+        return q, q, rope(k)
+
+    def window_frame(self, keys, rope):
+        """Stored keys (b, g, t, d) of positions 0 .. t-1, rotated at their positions for the window."""
+        if not self.capped:
+            return keys
+        positions = torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[0], -1)
+        return rope.at(keys, positions)
+
+    def masked_sdpa(self, q, keys, values, far, rope):
+        """Whole sequences from position 0, blocks already selected (far: (b, g, s, s)): fused SDPA.
+
+        True positions: one call, window band or far mask. Capped: one call per aligned chunk of W
+        queries, over its window keys and every far key rotated to the chunk's capped position.
+        """
+        s = q.shape[2]
+        window_keys = self.window_frame(keys, rope)
+        if not self.capped:
+            band = window_band(s, 0, 0, s, self.window, q.device)
+            return folded_sdpa(q, window_keys, values, far | band)
+        outs = []
+        for begin in range(0, s, self.window):
+            end = min(begin + self.window, s)
+            low = max(0, begin - self.window + 1)
+            chunk_keys, chunk_values = window_keys[:, :, low:end], values[:, :, low:end]
+            band = window_band(end - begin, begin, low, end - low, self.window, q.device)
+            mask = band.expand(*far.shape[:2], *band.shape)
+            if begin >= self.window:
+                # far keys of the chunk's queries are older than begin; they all sit at the chunk's capped position
+                capped_at = torch.full((q.shape[0], 1), begin - self.window, device=q.device)
+                chunk_keys = torch.cat([rope.at(keys[:, :, :begin], capped_at), chunk_keys], dim=2)
+                chunk_values = torch.cat([values[:, :, :begin], chunk_values], dim=2)
+                mask = torch.cat([far[:, :, begin:end, :begin], mask], dim=3)
+            outs.append(folded_sdpa(q[:, :, begin:end], chunk_keys, chunk_values, mask))
+        return torch.cat(outs, dim=2)

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 ATTN_IMPLS = ("dense", "ann")
 RETRIEVERS = ("exact", "hnsw", "auto")
+BLOCK_POSITIONS = ("capped", "true")
 
 # hidden, layers, query heads, kv heads. "tiny" is what the offline CPU demo trains in minutes;
 # "small" and "base" are minimind2's 26M and 104M models.
@@ -36,11 +37,13 @@ class MiniMindConfig(PretrainedConfig):
         rope_theta=1e6,
         rms_norm_eps=1e-5,
         dropout=0.0,
+        key_shift=False,
         attn_impl="dense",
         ann_window=64,
         ann_block_size=16,
         ann_top_n=4,
         ann_retrieval="exact",
+        ann_block_position="capped",
         ann_auto_threshold=16384,
         hnsw_m=32,
         hnsw_ef_construction=80,
@@ -62,11 +65,13 @@ class MiniMindConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.dropout = dropout
+        self.key_shift = key_shift
         self.attn_impl = attn_impl
         self.ann_window = ann_window
         self.ann_block_size = ann_block_size
         self.ann_top_n = ann_top_n
         self.ann_retrieval = ann_retrieval
+        self.ann_block_position = ann_block_position
         self.ann_auto_threshold = ann_auto_threshold
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
@@ -132,6 +137,8 @@ class MiniMindConfig(PretrainedConfig):
             problems.append(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
         if self.ann_retrieval not in RETRIEVERS:
             problems.append(f"ann_retrieval must be one of {RETRIEVERS}, got {self.ann_retrieval!r}")
+        if self.ann_block_position not in BLOCK_POSITIONS:
+            problems.append(f"ann_block_position must be one of {BLOCK_POSITIONS}, got {self.ann_block_position!r}")
         ann_ok = all(
             [
                 positive_int(name)
@@ -146,6 +153,8 @@ class MiniMindConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.key_shift, bool):
+            problems.append(f"key_shift must be true or false, got {self.key_shift!r}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
         if problems:

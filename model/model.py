@@ -5,11 +5,12 @@ Attention is pluggable: `Attention` projects and rotates q/k/v, and hands them t
 core that owns what happens next, dense causal attention (`DenseAttention`, below) or ANN
 attention (`model/ann_attention.py`). Both cores speak the same interface:
 
-    core(q, k, v, starts, ends, layer_cache) -> out
-        q: (b, h, s, d), k/v: (b, hkv, s, d) for the s new tokens;
+    core(q, k, v, starts, ends, layer_cache, rope) -> out
+        q: (b, h, s, d), k/v: (b, hkv, s, d) for the s new tokens, q and k not yet rotated;
         starts: None for a plain causal pass from position 0 without cache, else a (b,) tensor with
         the position of each sequence's first new token; ends: None, or (b,) the end of each
-        row's real tokens (a padded prompt is shorter than s); layer_cache: the core's per-layer cache.
+        row's real tokens (a padded prompt is shorter than s); layer_cache: the core's per-layer cache;
+        rope: the `Rope` of the new tokens' positions.
 
 Padding. Sequences are processed in their own coordinates (position 0 = first real token), so a
 left-padded batch is rolled left before the layers and rolled back after; positions, RoPE and the
@@ -37,9 +38,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
-    """positions (b, s) -> cos, sin (b, 1, s, d), Llama's layout (frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
+    """positions (b, s) -> cos, sin (b, 1, s, d), Llama's layout (frequencies repeated twice).
+
+    Angles are computed in float32 as Llama does, or in float64 for a float64 model.
+    """
+    angle_dtype = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=angle_dtype) / head_dim))
+    freqs = positions.to(angle_dtype)[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -51,6 +56,28 @@ def rotate_half(x):
 
 def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
+
+
+class Rope:
+    """The rotary embedding of one forward call: rotates the new tokens, or any positions on demand.
+
+    Attention cores get q and k unrotated, so a core may store keys in another frame (ANN attention
+    keeps retrieved keys at capped distances, model/ann_attention.py).
+    """
+
+    def __init__(self, positions, head_dim, theta, dtype):
+        self.positions, self.head_dim, self.theta, self.dtype = positions, head_dim, theta, dtype
+        self.cos, self.sin = rope_cos_sin(positions, head_dim, theta, dtype)
+
+    def __call__(self, x):
+        """x (b, heads, s, d) of the new tokens, rotated at their positions."""
+        return apply_rope(x, self.cos, self.sin)
+
+    def at(self, x, positions):
+        """x (b, ..., s, d) rotated at positions (b, s)."""
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.dtype)
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 3) + cos.shape[-2:]
+        return apply_rope(x, cos.view(shape), sin.view(shape))
 
 
 def with_capacity(buffer, like, needed, minimum=0, granularity=1):
@@ -79,6 +106,7 @@ class KVBuffer:
     def __init__(self, reserve=0, granularity=1):
         self.k = None
         self.v = None
+        self.last_input = None  # (b, 1, hidden): each row's last real token's attention input, for key_shift
         self.reserve = reserve
         self.granularity = granularity
 
@@ -140,7 +168,8 @@ class DenseAttention:
     def new_layer_cache(self, reserve=0):
         return KVBuffer(reserve)
 
-    def __call__(self, q, k, v, starts, ends, layer_cache):
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+        q, k = rope(q), rope(k)
         if layer_cache is not None:
             k, v = layer_cache.append(k, v, starts)
         return dense_attention(q, k, v, starts)
@@ -164,16 +193,34 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        # Smeared keys (Olsson et al., 2022): a key also sees its previous token, so one layer can
+        # match "the token after X" and copying circuits form in hundreds of steps, not thousands.
+        self.k_shift = nn.Parameter(torch.zeros(config.hidden_size)) if config.key_shift else None
         self.core = build_attention_core(config)
 
-    def forward(self, x, cos, sin, starts, ends, layer_cache):
+    def forward(self, x, rope, starts, ends, layer_cache):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        key_input = x if self.k_shift is None else x + self.k_shift * previous_inputs(x, starts, ends, layer_cache)
+        k = self.k_proj(key_input).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, starts, ends, layer_cache)
+        out = self.core(q, k, v, starts, ends, layer_cache, rope)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def previous_inputs(x, starts, ends, layer_cache):
+    """x (b, s, c) -> the input of each token's previous token (b, s, c); zeros before position 0.
+
+    With a cache, the first new token's previous input is the one the cache kept from the last
+    call, and this call's last real token (at ends - starts - 1) is kept for the next.
+    """
+    b, s, c = x.shape
+    carried = None if layer_cache is None else layer_cache.last_input
+    previous = torch.cat([x.new_zeros(b, 1, c) if carried is None else carried, x[:, :-1]], dim=1)
+    if layer_cache is not None:
+        last = (ends - starts - 1).clamp(min=0).view(b, 1, 1).expand(b, 1, c)
+        layer_cache.last_input = x.gather(1, last)
+    return previous
 
 
 class MLP(nn.Module):
@@ -196,8 +243,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, starts, ends, layer_cache):
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, starts, ends, layer_cache))
+    def forward(self, x, rope, starts, ends, layer_cache):
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope, starts, ends, layer_cache))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -312,9 +359,9 @@ class MiniMindForCausalLM(PreTrainedModel):
             ends = starts + (real_lengths if real_lengths is not None else s)
 
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        rope = Rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, starts, ends, None if cache is None else cache.layers[index])
+            x = layer(x, rope, starts, ends, None if cache is None else cache.layers[index])
         x = self.model.norm(x)
 
         if cache is not None:

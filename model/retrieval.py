@@ -70,7 +70,17 @@ class MipsHnsw:
     every query: then the L2-nearest stored vector is the one of largest inner product, for any
     R >= max |x|. R is fixed per graph; a vector longer than R rebuilds the graph with R doubled,
     which happens O(log(norm growth)) times.
+
+    Near-duplicates share one graph node. Repetitive text makes thousands of blocks with the same
+    summary (up to float rounding); as separate nodes they fill each other's neighbour lists and cut
+    the graph into cliques that a search cannot leave (recall of a distinct block among 4k
+    duplicated filler blocks fell to 3/20). A vector within DUPLICATE_TOLERANCE * R of a node joins
+    it; a search expands a node into its members in insertion order (equal scores, any is right).
     """
+
+    DUPLICATE_TOLERANCE = 1e-4
+    # Members of one node a search can return; a search for k asks for k nodes, so k never needs more.
+    MAX_EXPANSION = 8
 
     def __init__(self, dim, m, ef_construction, ef_search):
         self.dim = dim
@@ -78,6 +88,9 @@ class MipsHnsw:
         self.ef_construction = ef_construction
         self.ef_search = ef_search
         self.vectors = np.zeros((0, dim), dtype=np.float32)
+        self.node_rows = np.zeros(0, dtype=np.int64)  # graph node -> its first vector
+        self.members = np.zeros((0, self.MAX_EXPANSION), dtype=np.int32)  # node -> vectors, -1 padded
+        self.member_counts = np.zeros(0, dtype=np.int64)
         self.radius = 0.0
         self.index = None
 
@@ -94,28 +107,72 @@ class MipsHnsw:
         lift = np.sqrt(np.maximum(self.radius**2 - (vectors**2).sum(axis=1), 0.0)).astype(np.float32)
         return np.concatenate([vectors, lift[:, None]], axis=1)
 
+    def _nodes_of(self, rows):
+        """Graph node for each new vector (rows of self.vectors): an existing or earlier new node
+        within the tolerance, else -1 (the vector becomes a node)."""
+        vectors = self.vectors[rows]
+        tolerance = (self.DUPLICATE_TOLERANCE * self.radius) ** 2
+        nodes = np.full(len(rows), -1, dtype=np.int64)
+        if self.index is not None and self.index.ntotal:
+            distances, labels = self.index.search(self._augment(vectors), 1)
+            close = distances[:, 0] <= tolerance
+            nodes[close] = labels[close, 0]
+        # Duplicates among the new vectors themselves: each joins the first such vector.
+        fresh = np.flatnonzero(nodes < 0)
+        if len(fresh) > 1:
+            points = vectors[fresh].astype(np.float64)  # float64: no cancellation at this tolerance
+            squared = (points**2).sum(axis=1)
+            close = squared[:, None] + squared[None, :] - 2 * points @ points.T <= tolerance
+            np.fill_diagonal(close, True)
+            first_close = np.argmax(close, axis=1)  # itself at the latest
+            nodes[fresh] = np.where(first_close < np.arange(len(fresh)), -2 - fresh[first_close], -1)
+        return nodes
+
     def add(self, vectors):
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if len(vectors) == 0:
             return
+        first_row = len(self.vectors)
         self.vectors = np.concatenate([self.vectors, vectors])
         longest = float(np.sqrt((vectors**2).sum(axis=1).max()))
         if self.index is None or longest > self.radius:
             self.radius = max(2.0 * self.radius, longest * 1.25, 1e-6)
             self.index = self._new_index()
-            self.index.add(self._augment(self.vectors))
-        else:
-            self.index.add(self._augment(vectors))
+            if len(self.node_rows):
+                self.index.add(self._augment(self.vectors[self.node_rows]))
+        rows = np.arange(first_row, len(self.vectors))
+        nodes = self._nodes_of(rows)
+        new_nodes = np.flatnonzero(nodes == -1)
+        node_of_new = {int(i): len(self.node_rows) + j for j, i in enumerate(new_nodes)}
+        self.index.add(self._augment(self.vectors[rows[new_nodes]]))
+        self.node_rows = np.concatenate([self.node_rows, rows[new_nodes]])
+        self.members = np.concatenate(
+            [self.members, np.full((len(new_nodes), self.MAX_EXPANSION), -1, dtype=np.int32)]
+        )
+        self.member_counts = np.concatenate([self.member_counts, np.zeros(len(new_nodes), dtype=np.int64)])
+        for i, node in enumerate(nodes.tolist()):
+            if node == -1:
+                node = node_of_new[i]
+            elif node <= -2:  # joins a new vector of this call (index -2 - node within the call)
+                node = node_of_new[-2 - node]
+            count = self.member_counts[node]
+            if count < self.MAX_EXPANSION:
+                self.members[node, count] = rows[i]
+            self.member_counts[node] = count + 1
 
     def search(self, queries, k):
-        """queries (s, d) -> labels (s, k) int64 (-1 where fewer than k vectors exist)."""
+        """queries (s, d) -> labels (s, k) int64: insertion positions of the vectors with the
+        largest inner products (-1 where fewer than k vectors exist)."""
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         k = min(k, len(self.vectors))
         if k == 0:
             return np.full((len(queries), 0), -1, dtype=np.int64)
         augmented = np.concatenate([queries, np.zeros((len(queries), 1), dtype=np.float32)], axis=1)
-        _, labels = self.index.search(augmented, k)
-        return labels
+        _, nodes = self.index.search(augmented, min(k, len(self.node_rows)))
+        candidates = np.where(nodes[..., None] >= 0, self.members[np.maximum(nodes, 0)], -1).reshape(len(queries), -1)
+        # Keep the first k real members of each row, in order.
+        order = np.argsort(candidates < 0, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(candidates, order, axis=1).astype(np.int64)
 
 
 class HnswRetriever:

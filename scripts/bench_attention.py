@@ -30,7 +30,7 @@ import torch
 
 from model.ann_attention import AnnAttention
 from model.config import MiniMindConfig
-from model.model import DenseAttention
+from model.model import DenseAttention, Rope
 from scripts.bench_common import (
     Extrapolator,
     PeakMemory,
@@ -100,6 +100,12 @@ def build_core(settings, impl):
     return DenseAttention(config) if impl == "dense" else AnnAttention(config)
 
 
+def rope_at(settings, first, length):
+    """The Rope of `length` new tokens from position `first` (the model shares one across its layers)."""
+    positions = (first + torch.arange(length, device=settings["device"])).expand(settings["batch"], length)
+    return Rope(positions, settings["head_dim"], 1e6, DTYPES[settings["dtype"]])
+
+
 def random_qkv(settings, length, generator, requires_grad=False):
     device, dtype = settings["device"], DTYPES[settings["dtype"]]
     b, h, g, d = settings["batch"], settings["heads"], settings["kv_heads"], settings["head_dim"]
@@ -118,19 +124,20 @@ def measure_pass(settings, impl, mode, length):
     generator = torch.Generator(device).manual_seed(settings["seed"])
     q, k, v = random_qkv(settings, length, generator, requires_grad=mode == "fwd_bwd")
     core = build_core(settings, impl)
+    rope = rope_at(settings, 0, length)
 
     if mode == "fwd":
 
         def step():
             with torch.no_grad():
-                core(q, k, v, None, None, None)
+                core(q, k, v, None, None, None, rope)
 
     else:
         upstream = torch.randn(q.shape, generator=generator, device=device, dtype=q.dtype)
 
         def step():
             q.grad = k.grad = v.grad = None
-            core(q, k, v, None, None, None).backward(upstream)
+            core(q, k, v, None, None, None, rope).backward(upstream)
 
     times = time_calls(step, settings["warmup"], settings["repeats"], device, settings["max_row_s"])
     ms = median_ms(times)
@@ -157,19 +164,20 @@ def measure_decode(settings, impl, _mode, length):
             cache.write(k, v, starts)
         else:
             with torch.no_grad():
-                core(q, k, v, starts, starts + size, cache)
+                core(q, k, v, starts, starts + size, cache, rope_at(settings, begin, size))
     synchronize(device)
     prefill_s = time.perf_counter() - started
     prefill_peak_mb = memory.peak_mb()
 
     steps = [random_qkv(settings, 1, generator) for _ in range(settings["warmup"] + settings["decode_steps"])]
+    ropes = [rope_at(settings, length + i, 1) for i in range(len(steps))]
     position = [length]
 
     def step():
         q, k, v = steps[position[0] - length]
         starts = torch.full((batch,), position[0], device=device)
         with torch.no_grad():
-            core(q, k, v, starts, starts + 1, cache)
+            core(q, k, v, starts, starts + 1, cache, ropes[position[0] - length])
         position[0] += 1
 
     times = time_calls(step, settings["warmup"], settings["decode_steps"], device, settings["max_row_s"])

@@ -114,10 +114,11 @@ class RecordingCore:
     def __getattr__(self, name):
         return getattr(self.core, name)
 
-    def __call__(self, q, k, v, starts, ends, layer_cache):
-        self.keys.append(k.detach().float())
-        self.group_queries.append(group_query_sum(q.detach().float(), self.kv_heads))
-        return self.core(q, k, v, starts, ends, layer_cache)
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+        _, block_q, block_k = self.core.frames(q, k, rope)  # what retrieval scores: the blocks' frame
+        self.keys.append(block_k.detach().float())
+        self.group_queries.append(group_query_sum(block_q.detach().float(), self.kv_heads))
+        return self.core(q, k, v, starts, ends, layer_cache, rope)
 
 
 @torch.inference_mode()

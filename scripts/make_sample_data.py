@@ -9,6 +9,8 @@ Writes three JSONL files into --out_dir:
   pretrain_hq.jsonl    {"text": ...}                       facts, stories, sums
   sft_mini_512.jsonl   {"conversations": [{role, content}]} Q&A on the same facts
   passkey_long.jsonl   {"text": ...}                       long-context passkey docs
+  passkey_train.jsonl  {"text": ...}                       with --passkey_training_docs N: the
+                                                           long-context recipe's training mix
 
 Usage:
   python scripts/make_sample_data.py --out_dir dataset/sample [--seed 0] [--scale 1.0]
@@ -343,17 +345,35 @@ def preset_prompts():
 # ---------------------------------------------------------------------------
 # Passkey retrieval documents (Landmark Attention format) for long-context training.
 
+def passkey_document(rng, num_fillers):
+    key = rng.randint(10000, 99999)
+    depth = rng.randint(0, num_fillers)
+    parts = ([PASSKEY_INTRO] + [PASSKEY_FILLER] * depth
+             + [PASSKEY_KEY_LINE.format(key=key)]
+             + [PASSKEY_FILLER] * (num_fillers - depth)
+             + [f"{PASSKEY_QUESTION} {key}."])
+    return " ".join(parts)
+
+
 def make_passkey(rng, num_docs, min_fillers=4, max_fillers=31):
     # The filler is ~29 tokens and the rest ~95, so 4..31 fillers give roughly 200..1000-token documents.
     for _ in range(num_docs):
-        key = rng.randint(10000, 99999)
-        num_fillers = rng.randint(min_fillers, max_fillers)
-        depth = rng.randint(0, num_fillers)
-        parts = ([PASSKEY_INTRO] + [PASSKEY_FILLER] * depth
-                 + [PASSKEY_KEY_LINE.format(key=key)]
-                 + [PASSKEY_FILLER] * (num_fillers - depth)
-                 + [f"{PASSKEY_QUESTION} {key}."])
-        yield {"text": " ".join(parts)}
+        yield {"text": passkey_document(rng, rng.randint(min_fillers, max_fillers))}
+
+
+def make_passkey_training(rng, num_docs, drill_fraction=0.4, max_fillers=10):
+    """The long-context recipe's data (scripts/train_long_context.sh): passkey documents of 0 ..
+    max_fillers fillers (~100-400 tokens), mixed with drills of 2-6 keys, each asked right away.
+
+    A drill puts a copy target in every ~5th token, so the copying circuit forms in a few hundred
+    steps; the documents then teach fetching the key from beyond the window.
+    """
+    for _ in range(num_docs):
+        if rng.random() < drill_fraction:
+            keys = [rng.randint(10000, 99999) for _ in range(rng.randint(2, 6))]
+            yield {"text": " ".join(f"{PASSKEY_KEY_LINE.format(key=key)} {PASSKEY_QUESTION} {key}." for key in keys)}
+        else:
+            yield {"text": passkey_document(rng, rng.randint(0, max_fillers))}
 
 
 # ---------------------------------------------------------------------------
@@ -372,6 +392,8 @@ def main():
     parser.add_argument("--out_dir", default="dataset/sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the number of generated documents")
+    parser.add_argument("--passkey_training_docs", type=int, default=0,
+                        help="also write passkey_train.jsonl with this many documents (the long-context recipe)")
     args = parser.parse_args()
 
     out_dir = Path(args.out_dir)
@@ -386,6 +408,9 @@ def main():
     write_jsonl(out_dir / "pretrain_hq.jsonl", make_pretrain(rng_for("pretrain"), count(4750)))
     write_jsonl(out_dir / "sft_mini_512.jsonl", make_sft(rng_for("sft"), count(4500)))
     write_jsonl(out_dir / "passkey_long.jsonl", make_passkey(rng_for("passkey"), count(1100)))
+    if args.passkey_training_docs:
+        write_jsonl(out_dir / "passkey_train.jsonl",
+                    make_passkey_training(rng_for("passkey_train"), args.passkey_training_docs))
 
 
 if __name__ == "__main__":

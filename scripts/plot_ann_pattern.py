@@ -1,7 +1,7 @@
 """Draw which keys each query of ANN attention sees (docs/ann_pattern.png).
 
 The mask comes from the code the model runs (model/ann_attention.py, masked SDPA path): block
-means -> candidate counts -> exact top-n selection -> `selection_mask`, for one kv head. The keys
+means -> candidate counts -> exact top-n selection -> `far_mask` | `window_band`, for one kv head. The keys
 are synthetic but structured: the sequence is a run of "topics" two blocks long, each key is its
 topic's direction plus noise and each query points along its own topic, so retrieval should pick
 earlier blocks of the same topic (random keys would give a pattern with nothing to read in it).
@@ -28,7 +28,7 @@ import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from model.ann_attention import block_means, group_query_sum, selection_mask
+from model.ann_attention import block_means, far_mask, group_query_sum, window_band
 from model.retrieval import candidate_count, exact_select
 
 FUTURE, SKIPPED, WINDOW, RETRIEVED = range(4)
@@ -77,7 +77,7 @@ def ann_selection(keys, queries, window, block_size, top_n):
     group_queries = group_query_sum(queries, kv_heads=1)
     limits = candidate_count(torch.arange(length)[None], window, block_size)
     block_ids, valid = exact_select(group_queries, summaries, limits, top_n)
-    mask = selection_mask(block_ids, valid, length, window, block_size)
+    mask = far_mask(block_ids, valid, length, window, block_size) | window_band(length, 0, 0, length, window, keys.device)
     scores = (group_queries @ summaries.transpose(-1, -2))[0, 0]
     return mask[0, 0], scores, block_ids[0, 0], valid[0, 0], limits[0]
 
@@ -129,7 +129,7 @@ def draw(args, mask, scores, block_ids, valid, limits, topics):
     ax_mask.set_xlabel("key position")
     ax_mask.set_yticks([])
     ax_mask.set_title(
-        f"mask from selection_mask: L={args.length}, W={args.window}, B={args.block_size}, top_n={args.top_n}",
+        f"mask from far_mask | window_band: L={args.length}, W={args.window}, B={args.block_size}, top_n={args.top_n}",
         fontsize=9, pad=18,
     )
     ax_mask.set_xticks(range(0, args.length, 32))

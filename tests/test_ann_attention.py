@@ -8,21 +8,37 @@ import torch
 from model import MiniMindConfig, MiniMindForCausalLM
 from model import ann_attention
 from model.ann_attention import AnnAttention
+from model.model import Rope
 
 
-def reference_mask(q, k, window, block_size, top_n):
-    """The definition, spelled out: (b, g, t_query, t_key) boolean mask of the keys each query sees."""
-    b, h, length, d = q.shape
-    g = k.shape[1]
+THETA = 100.0  # a small RoPE base, so that rotations matter at the tests' short lengths
+
+
+def rope_for(batch, length, head_dim, first=0, dtype=torch.float64):
+    positions = (torch.as_tensor(first).view(-1, 1) + torch.arange(length)).expand(batch, length)
+    return Rope(positions, head_dim, THETA, dtype)
+
+
+def run(core, q, k, v, starts=None, ends=None, cache=None):
+    """Call an attention core with the Rope of the new tokens' positions."""
+    rope = rope_for(q.shape[0], q.shape[2], q.shape[3], 0 if starts is None else starts, q.dtype)
+    return core(q, k, v, starts, ends, cache, rope)
+
+
+def reference_masks(block_q, block_k, window, block_size, top_n):
+    """The definition, spelled out: (b, g, t_query, t_key) boolean masks of the window keys and of
+    the retrieved keys each query sees, from queries and keys in the blocks' frame."""
+    b, h, length, d = block_q.shape
+    g = block_k.shape[1]
     positions = torch.arange(length)
     query_pos, key_pos = positions[:, None], positions[None, :]
-    window_mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    window_mask = ((key_pos <= query_pos) & (key_pos > query_pos - window)).expand(b, g, length, length)
+    far_mask = torch.zeros(b, g, length, length, dtype=torch.bool)
     num_blocks = length // block_size
-    mask = window_mask.expand(b, g, length, length).clone()
     if num_blocks == 0 or top_n == 0:
-        return mask
-    summaries = k[:, :, : num_blocks * block_size].reshape(b, g, num_blocks, block_size, d).mean(3)
-    group_queries = q.reshape(b, g, h // g, length, d).sum(2)
+        return window_mask, far_mask
+    summaries = block_k[:, :, : num_blocks * block_size].reshape(b, g, num_blocks, block_size, d).mean(3)
+    group_queries = block_q.reshape(b, g, h // g, length, d).sum(2)
     scores = group_queries @ summaries.transpose(-1, -2)
     block_starts = torch.arange(num_blocks) * block_size
     is_candidate = block_starts[None, :] <= query_pos - window
@@ -31,20 +47,34 @@ def reference_mask(q, k, window, block_size, top_n):
         count = int(is_candidate[t].sum())
         for block in scores[row, head, t].topk(min(top_n, count)).indices.tolist() if count else []:
             keys = torch.arange(block * block_size, (block + 1) * block_size)
-            mask[row, head, t, keys[keys <= t - window]] = True
-    return mask
+            far_mask[row, head, t, keys[keys <= t - window]] = True
+    return window_mask, far_mask
 
 
-def reference_attention(q, k, v, window, block_size, top_n):
+def reference_attention(q, k, v, window, block_size, top_n, block_position="capped"):
+    """Unrotated q (b, h, t, d), k/v (b, g, t, d) -> out: window keys at their true distance, retrieved
+    keys at W + (t mod W) (capped) or at their true distance."""
     b, h, length, d = q.shape
     groups = h // k.shape[1]
-    mask = reference_mask(q.detach(), k.detach(), window, block_size, top_n).repeat_interleave(groups, dim=1)
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    logits = (q @ k.transpose(-1, -2)) / d**0.5
-    return logits.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    rope = rope_for(b, length, d, dtype=q.dtype)
+    window_q, window_k = rope(q), rope(k)
+    if block_position == "capped":
+        capped = (window + torch.arange(length) % window).expand(b, length)
+        block_q, block_k = rope.at(q, capped), k
+    else:
+        block_q, block_k = window_q, window_k
+    window_mask, far_mask = reference_masks(block_q.detach(), block_k.detach(), window, block_size, top_n)
+
+    def logits(queries, keys):
+        return queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) / d**0.5
+
+    window_mask, far_mask = window_mask.repeat_interleave(groups, 1), far_mask.repeat_interleave(groups, 1)
+    scores = torch.where(window_mask, logits(window_q, window_k), logits(block_q, block_k))
+    scores = scores.masked_fill(~(window_mask | far_mask), float("-inf"))
+    return scores.softmax(-1) @ v.repeat_interleave(groups, dim=1)
 
 
-def make_core(heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8):
+def make_core(heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8, block_position="capped"):
     config = MiniMindConfig(
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
@@ -55,6 +85,7 @@ def make_core(heads, kv_heads, window, block_size, top_n, retrieval="exact", hea
         ann_block_size=block_size,
         ann_top_n=top_n,
         ann_retrieval=retrieval,
+        ann_block_position=block_position,
     )
     return AnnAttention(config)
 
@@ -75,6 +106,7 @@ GRID = list(
         [0, 1, 3, 10_000],  # top_n; 10_000 covers every candidate
         [(4, 4), (4, 2)],  # (heads, kv heads): MHA and GQA
         [1, 3],  # batch
+        ["capped", "true"],  # ann_block_position
     )
 )
 
@@ -88,14 +120,14 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("length,window_block,top_n,heads,batch", GRID)
-def test_matches_reference_outputs_and_gradients(path, length, window_block, top_n, heads, batch):
+@pytest.mark.parametrize("length,window_block,top_n,heads,batch,block_position", GRID)
+def test_matches_reference_outputs_and_gradients(path, length, window_block, top_n, heads, batch, block_position):
     window, block_size = window_block
     num_heads, kv_heads = heads
-    core = make_core(num_heads, kv_heads, window, block_size, top_n)
+    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position)
     q, k, v = random_qkv(batch, num_heads, kv_heads, length, seed=length + top_n)
-    out = core(q, k, v, None, None, None)
-    expected = reference_attention(q, k, v, window, block_size, top_n)
+    out = run(core, q, k, v)
+    expected = reference_attention(q, k, v, window, block_size, top_n, block_position)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
     upstream = torch.randn_like(out)
     grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
@@ -105,13 +137,14 @@ def test_matches_reference_outputs_and_gradients(path, length, window_block, top
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
-def test_top_n_covering_every_candidate_is_dense_attention(heads):
+def test_true_positions_with_top_n_covering_every_candidate_is_dense_attention(heads):
     num_heads, kv_heads = heads
     q, k, v = random_qkv(2, num_heads, kv_heads, 300, dtype=torch.float32)
-    out = make_core(num_heads, kv_heads, 16, 8, 10_000)(q, k, v, None, None, None)
+    out = run(make_core(num_heads, kv_heads, 16, 8, 10_000, block_position="true"), q, k, v)
     groups = num_heads // kv_heads
+    rope = rope_for(2, 300, 8, dtype=torch.float32)
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+        rope(q), rope(k).repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
     )
     assert (out - dense).abs().max().item() <= 1e-5
 
@@ -119,47 +152,70 @@ def test_top_n_covering_every_candidate_is_dense_attention(heads):
 def test_tiled_path_equals_dense_when_blocks_cover_all(path):
     """The tiled path itself (not the dense shortcut): force it with top_n just below coverage."""
     q, k, v = random_qkv(1, 4, 2, 600)
-    core = make_core(4, 2, 16, 8, 72)
-    assert not core.covers_everything(599)
-    out = core(q, k, v, None, None, None)
+    core = make_core(4, 2, 16, 8, 72, block_position="true")
+    assert not core.is_dense(599)
+    out = run(core, q, k, v)
     dense = reference_attention(q, k, v, 10**9, 8, 0)
     # Only the last queries miss blocks; everything earlier is exactly dense.
     last_full = 16 + 72 * 8
     torch.testing.assert_close(out[:, :, :last_full], dense[:, :, :last_full], atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+def test_capped_blocks_do_not_depend_on_their_distance(path, block_position):
+    """One distinctive block among identical filler keys: with capped positions, the last query's
+    output is the same whether the block lies 64 or 4000 positions back; true positions are not."""
+    window, block_size, heads, d = 16, 8, 4, 8
+    generator = torch.Generator().manual_seed(0)
+    filler_k, filler_v, query = (torch.randn(d, generator=generator, dtype=torch.float64) for _ in range(3))
+    outputs = []
+    for length in (64 + 16 * 10, 4000 + 16 * 10):
+        k = filler_k.expand(1, 2, length, d).clone()
+        v = filler_v.expand(1, 2, length, d).clone()
+        k[:, :, 8:16] = torch.randn(8, d, generator=generator, dtype=torch.float64) + 3 * query
+        v[:, :, 8:16] = torch.randn(8, d, generator=generator, dtype=torch.float64)
+        q = query.expand(1, heads, length, d).contiguous()
+        core = make_core(heads, 2, window, block_size, 2, block_position=block_position)
+        outputs.append(run(core, q, k, v)[:, :, -1])
+    if block_position == "capped":
+        torch.testing.assert_close(outputs[0], outputs[1], atol=1e-12, rtol=0)
+    else:
+        assert (outputs[0] - outputs[1]).abs().max() > 1e-3
+
+
 def test_causality(path):
     core = make_core(4, 2, 16, 8, 2)
     q, k, v = random_qkv(2, 4, 2, 200)
-    out = core(q, k, v, None, None, None)
+    out = run(core, q, k, v)
     cut = 97
     q2, k2, v2 = (x.detach().clone() for x in (q, k, v))
     for x in (q2, k2, v2):
         x[:, :, cut + 1 :] = torch.randn_like(x[:, :, cut + 1 :])
-    out2 = core(q2, k2, v2, None, None, None)
+    out2 = run(core, q2, k2, v2)
     torch.testing.assert_close(out[:, :, : cut + 1], out2[:, :, : cut + 1], atol=0, rtol=0)
 
 
 def test_heads_are_not_flattened_into_one_softmax():
     core = make_core(4, 2, 16, 8, 2)
     q, k, v = random_qkv(1, 4, 2, 120)
-    out = core(q, k, v, None, None, None)
+    out = run(core, q, k, v)
     assert not torch.allclose(out[:, 0], out[:, 1])
     assert not torch.allclose(out[:, 0], out[:, 2])
 
 
+@pytest.mark.parametrize("block_position", ["capped", "true"])
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
 @pytest.mark.parametrize("chunks", [[1] * 90, [37, 1, 1, 20, 31], [90]])
-def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks):
-    core = make_core(4, 2, 16, 8, 2, retrieval=retrieval)
+def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks, block_position):
+    core = make_core(4, 2, 16, 8, 2, retrieval=retrieval, block_position=block_position)
     q, k, v = random_qkv(2, 4, 2, 90)
-    full = core(q, k, v, None, None, None)
+    full = run(core, q, k, v)
     cache = core.new_layer_cache()
     outputs, begin = [], 0
     for size in chunks:
         starts = torch.full((2,), begin)
         sl = slice(begin, begin + size)
-        outputs.append(core(q[:, :, sl], k[:, :, sl], v[:, :, sl], starts, starts + size, cache))
+        outputs.append(run(core, q[:, :, sl], k[:, :, sl], v[:, :, sl], starts, starts + size, cache))
         begin += size
     torch.testing.assert_close(torch.cat(outputs, dim=2), full, atol=1e-10, rtol=1e-10)
 
@@ -180,12 +236,18 @@ def ann_model(retrieval="exact", **overrides):
         ann_auto_threshold=4,
     )
     settings.update(overrides)
-    return MiniMindForCausalLM(MiniMindConfig(**settings)).eval()
+    model = MiniMindForCausalLM(MiniMindConfig(**settings)).eval()
+    if model.config.key_shift:  # trained shifts are not zero; the test must see them act
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.k_shift)
+    return model
 
 
+@pytest.mark.parametrize("key_shift", [False, True])
+@pytest.mark.parametrize("block_position", ["capped", "true"])
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
-def test_model_full_forward_equals_step_by_step_decoding(path, retrieval):
-    model = ann_model(retrieval)
+def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, block_position, key_shift):
+    model = ann_model(retrieval, ann_block_position=block_position, key_shift=key_shift)
     input_ids = torch.randint(3, 300, (2, 120))
     full = model(input_ids).logits
     cache = model.new_cache()
@@ -202,9 +264,10 @@ def test_model_full_forward_equals_step_by_step_decoding(path, retrieval):
     assert torch.equal(greedy, reference)
 
 
+@pytest.mark.parametrize("key_shift", [False, True])
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
-def test_left_padded_batch_and_changing_batch_size(retrieval):
-    model = ann_model(retrieval)
+def test_left_padded_batch_and_changing_batch_size(retrieval, key_shift):
+    model = ann_model(retrieval, key_shift=key_shift)
     long_row = torch.randint(3, 300, (1, 90))
     short_row = torch.randint(3, 300, (1, 61))
     batch = torch.cat([long_row, torch.cat([torch.zeros(1, 29, dtype=torch.long), short_row], dim=1)])
@@ -231,3 +294,20 @@ def test_bf16_autocast_forward_backward_and_generation():
     model_bf16 = ann_model("hnsw").to(torch.bfloat16)
     assert torch.isfinite(model_bf16(input_ids).logits.float()).all()
     assert model_bf16.generate(input_ids[:, :80], max_new_tokens=8).shape == (2, 88)
+
+
+def test_key_shift_is_the_plain_model_at_zero_and_its_weights_round_trip(tmp_path):
+    plain = ann_model()
+    shifted = MiniMindForCausalLM(MiniMindConfig(**{**plain.config.to_dict(), "key_shift": True})).eval()
+    shifted.load_state_dict(plain.state_dict(), strict=False)
+    for layer in shifted.model.layers:
+        torch.nn.init.zeros_(layer.self_attn.k_shift)
+    input_ids = torch.randint(3, 300, (2, 50))
+    torch.testing.assert_close(shifted(input_ids).logits, plain(input_ids).logits, atol=0, rtol=0)
+    for layer in shifted.model.layers:
+        torch.nn.init.normal_(layer.self_attn.k_shift)
+    shifted.save_pretrained(tmp_path)
+    loaded = MiniMindForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.key_shift
+    torch.testing.assert_close(loaded(input_ids).logits, shifted(input_ids).logits, atol=0, rtol=0)
+    assert (loaded(input_ids).logits - plain(input_ids).logits).abs().max() > 1e-3

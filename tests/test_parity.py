@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from model.model import rope_cos_sin
+from model.model import Rope, rope_cos_sin
 
 TOLERANCE = 1e-4
 
@@ -64,12 +64,12 @@ def test_attention_and_block(pair):
     ours, reference = pair
     x = torch.randn(2, 13, 64)
     positions = torch.arange(13)[None].expand(2, 13)
-    cos, sin = rope_cos_sin(positions, ours.config.head_dim, ours.config.rope_theta, torch.float32)
+    rope = Rope(positions, ours.config.head_dim, ours.config.rope_theta, torch.float32)
     ref_rope = reference.model.rotary_emb(x, positions)
-    ours_attention = ours.model.layers[0].self_attn(x, cos, sin, None, None, None)
+    ours_attention = ours.model.layers[0].self_attn(x, rope, None, None, None)
     ref_attention, _ = reference.model.layers[0].self_attn(x, position_embeddings=ref_rope, attention_mask=None)
     assert max_diff(ours_attention, ref_attention) <= TOLERANCE
-    ours_block = ours.model.layers[0](x, cos, sin, None, None, None)
+    ours_block = ours.model.layers[0](x, rope, None, None, None)
     ref_block = reference.model.layers[0](x, attention_mask=None, position_embeddings=ref_rope)
     assert max_diff(ours_block, ref_block) <= TOLERANCE
 

@@ -78,6 +78,26 @@ def test_hnsw_grows_incrementally_and_survives_norm_growth():
     assert radii[2] > radii[1] and len(retriever.block_ids[0]) == 300
 
 
+def test_hnsw_finds_a_distinct_block_among_thousands_of_duplicated_ones():
+    """Repetitive text (passkey filler) gives thousands of blocks with one of a few summaries; they
+    share graph nodes, so a search still reaches the one block that differs."""
+    generator = np.random.default_rng(0)
+    phases = generator.normal(size=(29, 16))
+    summaries = np.tile(phases, (140, 1)) + 1e-6 * generator.normal(size=(29 * 140, 16))
+    key = generator.normal(size=16)
+    query = torch.tensor(3 * key + 0.5 * generator.normal(size=16), dtype=torch.float32).expand(1, 1, 1, 16)
+    limits = torch.zeros(1, 1, dtype=torch.long)
+    for position in generator.choice(len(summaries), 5, replace=False):
+        blocks = torch.tensor(np.insert(summaries, position, key, axis=0), dtype=torch.float32)[None, None]
+        retriever = HnswRetriever(32, 80, 64)
+        for limit in range(256, blocks.shape[2] + 256, 256):  # grows chunk by chunk, like a prefill
+            limits[:] = min(limit, blocks.shape[2])
+            block_ids, valid = retriever.select(query, blocks, limits, 4)
+        exact_best = exact_select(query, blocks, limits, 1)[0][0, 0, 0, 0].item()
+        assert valid.all() and block_ids[0, 0, 0, 0].item() == exact_best == position
+    assert len(retriever.graphs[0][0].node_rows) == 30  # 29 filler summaries and the key
+
+
 def test_auto_switches_at_the_threshold():
     queries, summaries = structured_summaries(64)
     retriever = AutoRetriever(32, 32, 80, 64)

@@ -91,11 +91,16 @@ def parse_args(stage, argv=None):
     p.add_argument("--preset", default=None, help="tiny | small | base (default tiny, or the --from_weight model)")
     p.add_argument("--hidden_size", type=int, default=None, help="overrides the preset")
     p.add_argument("--num_hidden_layers", type=int, default=None, help="overrides the preset")
+    p.add_argument("--num_attention_heads", type=int, default=None, help="overrides the preset")
+    p.add_argument("--num_key_value_heads", type=int, default=None, help="overrides the preset")
+    p.add_argument("--rope_theta", type=float, default=None, help="RoPE base (default 1e6)")
+    p.add_argument("--key_shift", type=int, choices=[0, 1], default=None, help="1: smeared keys (see model/model.py)")
     p.add_argument("--attn", default=None, help="ann | dense (default ann, or the --from_weight model's)")
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
     p.add_argument("--ann_top_n", type=int, default=None)
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
+    p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--from_weight", default="none", help="saved model folder of an earlier stage, or 'none'")
     p.add_argument("--from_resume", type=int, choices=[0, 1], default=0, help="1: continue from out_dir/checkpoints")
     p.add_argument("--log_interval", type=int, default=10, help="optimizer steps between metrics lines")
@@ -145,18 +150,25 @@ def build_config(args):
         ann_block_size=args.ann_block_size,
         ann_top_n=args.ann_top_n,
         ann_retrieval=args.ann_retrieval,
+        ann_block_position=args.ann_block_position,
     )
+    size_flags = {
+        name: getattr(args, name)
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    }
+    key_shift = None if args.key_shift is None else bool(args.key_shift)
     try:
         if args.from_weight == "none":
             return MiniMindConfig.from_preset(
                 args.preset or "tiny",
-                hidden_size=args.hidden_size,
-                num_hidden_layers=args.num_hidden_layers,
+                **size_flags,
+                rope_theta=args.rope_theta,
+                key_shift=key_shift,
                 **attention,
             )
         config = MiniMindConfig.from_pretrained(args.from_weight)
         # The weights fix the architecture; size flags may only restate it.
-        requested = {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_hidden_layers}
+        requested = dict(size_flags, rope_theta=args.rope_theta, key_shift=key_shift)
         if args.preset:
             preset = MiniMindConfig.from_preset(args.preset, **requested)
             requested = {name: getattr(preset, name) for name in requested}
@@ -527,8 +539,10 @@ def train(stage, args, config, rank, world_size, device):
             group_start = micro_index - micro_index % args.accumulation_steps
             group_size = min(args.accumulation_steps, len(batches) - group_start)
             last_in_group = micro_index == group_start + group_size - 1
-            input_ids = input_ids.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
+            # Right padding past the last label changes no loss of a causal model: cut it off.
+            length = int((labels != -100).any(dim=0).nonzero().max()) + 1 if bool((labels != -100).any()) else 1
+            input_ids = input_ids[:, :length].to(device, non_blocking=True)
+            labels = labels[:, :length].to(device, non_blocking=True)
             with model.no_sync() if world_size > 1 and not last_in_group else contextlib.nullcontext():
                 with autocast:
                     loss = model(input_ids=input_ids, labels=labels).loss
