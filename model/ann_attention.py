@@ -331,7 +331,7 @@ class AnnAttention:
         queries, over its window keys and every far key rotated to the chunk's capped position.
         """
         s = q.shape[2]
-        window_keys = self.window_frame(keys, rope)
+        window_keys = rope(keys) if self.capped else keys  # the new tokens: rope's own cos/sin, no recompute
         if not self.capped:
             band = window_band(s, 0, 0, s, self.window, q.device)
             return folded_sdpa(q, window_keys, values, far | band)
