@@ -4,14 +4,19 @@ relevant earlier blocks of keys.
 Legend of dimension letters:
     b batch            h query heads        g kv heads         r = h / g, query heads per kv head
     s new queries      t keys (positions)   d head dim         m blocks
+    e summary size (2d for bounds, d for mean)
     T queries per tile n top_n              B block size       W window (a multiple of B)
 
 Definition (one semantics for training, prefill and decoding). Block j holds positions
 [j*B, (j+1)*B), aligned to each sequence's position 0. For a query at position t:
     window keys:      positions max(0, t-W+1) .. t;
     candidate blocks: j with j*B <= t-W (complete, past, holding a key older than the window);
-    selection:        the top_n candidates by (sum of the GQA group's queries at t) . summary_j,
-                      chosen per token and per kv head (model/retrieval.py);
+    selection:        the top_n candidates by score_j, chosen per token and per kv head
+                      (model/retrieval.py). With ann_block_summary "bounds" (the default, Quest's),
+                      score_j = sum over the GQA group's heads and channels c of
+                      max(q_c * max_c, q_c * min_c), the max/min over block j's keys: an upper
+                      bound of the head's largest q . k in the block. With "mean" it is
+                      (sum of the group's queries) . (mean key of block j);
     attended keys:    the window plus the selected blocks' positions <= t-W, under one softmax per
                       query head. No key counts twice, and missing candidates are just missing.
     positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
@@ -45,17 +50,33 @@ QUERY_TILE = 256
 MASKED_SDPA_MAX_LEN = 1024
 
 
-def group_query_sum(q, kv_heads):
-    """q (b, h, s, d) -> (b, g, s, d): the summed queries of each GQA group, which pick its blocks."""
+def selection_queries(q, kv_heads, summary):
+    """q (b, h, s, d) -> (b, g, s, e): the vector of each GQA group that scores its blocks.
+
+    "mean": e = d, the group's summed queries. "bounds": e = 2d, [sum of max(q, 0), sum of min(q, 0)]
+    over the group's heads, so that its product with a block's [max key, min key] is the sum over
+    heads of each head's upper bound on q . k for any key of the block.
+    """
     b, h, s, d = q.shape
-    return q.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+    grouped = q.view(b, kv_heads, h // kv_heads, s, d)
+    if summary == "mean":
+        return grouped.sum(dim=2)
+    return torch.cat([grouped.clamp(min=0).sum(dim=2), grouped.clamp(max=0).sum(dim=2)], dim=-1)
 
 
-def block_means(keys, first_block, end_block, block_size):
-    """keys (b, g, t, d) -> summaries (b, g, end_block - first_block, d): mean key of each block."""
+def block_summaries(keys, first_block, end_block, block_size, summary):
+    """keys (b, g, t, d) -> summaries (b, g, end_block - first_block, e) of blocks first .. end-1.
+
+    "mean": e = d, the mean key. "bounds": e = 2d, the channel-wise [max, min] of the block's keys
+    (Quest): a block with one key that matches the query scores high however ordinary the rest is,
+    where a mean dilutes that key by the B-1 others.
+    """
     b, g, _, d = keys.shape
     span = keys[:, :, first_block * block_size : end_block * block_size]
-    return span.reshape(b, g, end_block - first_block, block_size, d).mean(dim=3)
+    blocks = span.reshape(b, g, end_block - first_block, block_size, d)
+    if summary == "mean":
+        return blocks.mean(dim=3)
+    return torch.cat([blocks.amax(dim=3), blocks.amin(dim=3)], dim=-1)
 
 
 def window_slab(keys, values, first_positions, num_queries, window):
@@ -196,20 +217,21 @@ def far_positions(query_positions, window):
 class AnnLayerCache(KVBuffer):
     """KV buffer plus the block summaries and the retriever's state (e.g. HNSW graphs) of one layer."""
 
-    def __init__(self, retriever, reserve, block_size):
+    def __init__(self, retriever, reserve, block_size, summary):
         super().__init__(reserve, granularity=block_size)
         self.retriever = retriever
+        self.summary = summary
         self.summaries = None
 
     def update_summaries(self, starts, ends, block_size):
         """Recompute the summaries of every block that the last write touched.
 
-        summaries (b, g, m, d) covers blocks complete in every row up to ends; blocks that hold a
+        summaries (b, g, m, e) covers blocks complete in every row up to ends; blocks that hold a
         row's not-yet-real positions (padding) are recomputed once real keys replace them.
         """
         first = int(starts.min()) // block_size
         end = int(ends.max()) // block_size
-        fresh = block_means(self.k, first, end, block_size)
+        fresh = block_summaries(self.k, first, end, block_size, self.summary)
         self.summaries = with_capacity(self.summaries, fresh, end)
         self.summaries[:, :, first:end] = fresh
         return self.summaries[:, :, :end]
@@ -222,10 +244,11 @@ class AnnAttention:
         self.block_size = config.ann_block_size
         self.top_n = config.ann_top_n
         self.capped = config.ann_block_position == "capped"
+        self.summary = config.ann_block_summary
         self.config = config
 
     def new_layer_cache(self, reserve=0):
-        return AnnLayerCache(build_retriever(self.config), reserve, self.block_size)
+        return AnnLayerCache(build_retriever(self.config), reserve, self.block_size, self.summary)
 
     def is_dense(self, last_position):
         """True when dense causal attention is exact for every query up to last_position.
@@ -261,12 +284,12 @@ class AnnAttention:
             return dense_attention(q, self.window_frame(keys, rope), values, starts)
         if layer_cache is None:
             retriever = build_retriever(self.config)
-            summaries = block_means(k, 0, s // self.block_size, self.block_size)
+            summaries = block_summaries(k, 0, s // self.block_size, self.block_size, self.summary)
         else:
             retriever = layer_cache.retriever
             summaries = layer_cache.update_summaries(first, ends, self.block_size)
 
-        group_queries = group_query_sum(block_q.detach(), self.kv_heads)
+        group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
         if s <= MASKED_SDPA_MAX_LEN and bool((first == 0).all()):
             limits = candidate_count(torch.minimum(query_positions, ends[:, None] - 1), self.window, self.block_size)
             with torch.no_grad():
@@ -274,10 +297,12 @@ class AnnAttention:
                 block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
             return self.masked_sdpa(q, keys[:, :, :s], values[:, :, :s], far, rope)
-        grouped_q = q.view(b, self.kv_heads, h // self.kv_heads, s, d)
-        grouped_block_q = block_q.view(grouped_q.shape)
+        grouped_shape = (b, self.kv_heads, h // self.kv_heads, s, d)
+        # split, not a slice per tile: a slice's backward writes a zero gradient of the whole q per tile
+        q_tiles = q.view(grouped_shape).split(QUERY_TILE, dim=3)
+        block_q_tiles = block_q.view(grouped_shape).split(QUERY_TILE, dim=3)
         tiles = []
-        for tile_begin in range(0, s, QUERY_TILE):
+        for tile_begin, q_tile, block_q_tile in zip(range(0, s, QUERY_TILE), q_tiles, block_q_tiles):
             tile_len = min(QUERY_TILE, s - tile_begin)
             chunk = min(self.window, tile_len)
             padded_len = -(-tile_len // chunk) * chunk
@@ -301,10 +326,9 @@ class AnnAttention:
                 key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device)
                 older_than_window = key_positions <= (tile_positions - self.window)[:, None, :, None, None]
                 block_visible = (valid[..., None] & older_than_window).flatten(-2)
-            tile = slice(tile_begin, tile_begin + tile_len)
             out = attend_tile(
-                F.pad(grouped_q[:, :, :, tile], pad),
-                F.pad(grouped_block_q[:, :, :, tile], pad),
+                F.pad(q_tile, pad),
+                F.pad(block_q_tile, pad),
                 slab_k, slab_v, slab_positions, block_k, block_v, block_visible, self.window, chunk,
             )
             tiles.append(out[:, :, :, :tile_len])

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 ATTN_IMPLS = ("dense", "ann")
 RETRIEVERS = ("exact", "hnsw", "auto")
 BLOCK_POSITIONS = ("capped", "true")
+BLOCK_SUMMARIES = ("bounds", "mean")
 
 # hidden, layers, query heads, kv heads. "tiny" is what the offline CPU demo trains in minutes;
 # "small" and "base" are minimind2's 26M and 104M models.
@@ -44,6 +45,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_top_n=4,
         ann_retrieval="exact",
         ann_block_position="capped",
+        ann_block_summary="bounds",
         ann_auto_threshold=16384,
         hnsw_m=32,
         hnsw_ef_construction=80,
@@ -72,6 +74,7 @@ class MiniMindConfig(PretrainedConfig):
         self.ann_top_n = ann_top_n
         self.ann_retrieval = ann_retrieval
         self.ann_block_position = ann_block_position
+        self.ann_block_summary = ann_block_summary
         self.ann_auto_threshold = ann_auto_threshold
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
@@ -139,6 +142,8 @@ class MiniMindConfig(PretrainedConfig):
             problems.append(f"ann_retrieval must be one of {RETRIEVERS}, got {self.ann_retrieval!r}")
         if self.ann_block_position not in BLOCK_POSITIONS:
             problems.append(f"ann_block_position must be one of {BLOCK_POSITIONS}, got {self.ann_block_position!r}")
+        if self.ann_block_summary not in BLOCK_SUMMARIES:
+            problems.append(f"ann_block_summary must be one of {BLOCK_SUMMARIES}, got {self.ann_block_summary!r}")
         ann_ok = all(
             [
                 positive_int(name)

@@ -3,11 +3,13 @@
 Legend (as in model/ann_attention.py):
     b batch   g kv heads   s queries   d head dim   m blocks   n top_n
 
-A block's summary is the mean of its keys for one KV head. A query scores the candidate blocks
-(see `candidate_count`) by the inner product of its GQA group's summed query with each summary
-and keeps the best top_n. Two retrievers give the same answer through one interface:
+A block's summary is one vector per KV head, and a query scores the candidate blocks (see
+`candidate_count`) by the inner product of its GQA group's selection vector with each summary and
+keeps the best top_n (model/ann_attention.py builds both: [max key, min key] against the split
+query, or mean key against the summed query). Retrieval is therefore plain maximum inner product
+search, whatever the summary. Two retrievers give the same answer through one interface:
 
-    retriever.select(group_queries (b, g, s, d), summaries (b, g, m, d), limits (b, s), top_n)
+    retriever.select(group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s), top_n)
         -> block ids (b, g, s, n) long, valid (b, g, s, n) bool
 
 `limits` is how many leading blocks are candidates for each query (0 .. m); slots past the

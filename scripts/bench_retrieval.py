@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from model.ann_attention import block_means, group_query_sum
+from model.ann_attention import block_summaries, selection_queries
 from model.config import MiniMindConfig
 from model.retrieval import HnswRetriever, exact_select
 from scripts.bench_common import (
@@ -117,7 +117,7 @@ class RecordingCore:
     def __call__(self, q, k, v, starts, ends, layer_cache, rope):
         _, block_q, block_k = self.core.frames(q, k, rope)  # what retrieval scores: the blocks' frame
         self.keys.append(block_k.detach().float())
-        self.group_queries.append(group_query_sum(block_q.detach().float(), self.kv_heads))
+        self.group_queries.append(selection_queries(block_q.detach().float(), self.kv_heads, self.core.summary))
         return self.core(q, k, v, starts, ends, layer_cache, rope)
 
 
@@ -254,7 +254,7 @@ def main(argv=None):
         if args.model:
             # The queries right after the first m blocks (and the window) have those m blocks as candidates.
             first_query = m * block_size + window
-            summaries = block_means(keys, 0, m, block_size)
+            summaries = block_summaries(keys, 0, m, block_size, config.ann_block_summary)
             queries = group_queries[:, :, first_query : first_query + num_queries]
         else:
             summaries = all_summaries[:, :, :m]

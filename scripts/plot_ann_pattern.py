@@ -1,7 +1,7 @@
 """Draw which keys each query of ANN attention sees (docs/ann_pattern.png).
 
 The mask comes from the code the model runs (model/ann_attention.py, masked SDPA path): block
-means -> candidate counts -> exact top-n selection -> `far_mask` | `window_band`, for one kv head. The keys
+summaries (--summary, the model's default bounds) -> candidate counts -> exact top-n selection -> `far_mask` | `window_band`, for one kv head. The keys
 are synthetic but structured: the sequence is a run of "topics" two blocks long, each key is its
 topic's direction plus noise and each query points along its own topic, so retrieval should pick
 earlier blocks of the same topic (random keys would give a pattern with nothing to read in it).
@@ -28,7 +28,8 @@ import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from model.ann_attention import block_means, far_mask, group_query_sum, window_band
+from model.config import BLOCK_SUMMARIES, MiniMindConfig
+from model.ann_attention import block_summaries, far_mask, selection_queries, window_band
 from model.retrieval import candidate_count, exact_select
 
 FUTURE, SKIPPED, WINDOW, RETRIEVED = range(4)
@@ -47,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--topics", type=int, default=3)
     p.add_argument("--head_dim", type=int, default=16)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--summary", choices=BLOCK_SUMMARIES, default=MiniMindConfig().ann_block_summary)
     args = p.parse_args(argv)
     if args.window % args.block_size or args.length < args.window + 2 * args.block_size:
         p.error("window must be a multiple of block_size, and length at least window + 2 blocks")
@@ -67,14 +69,14 @@ def topic_sequence(args, generator):
     return keys[None, None], queries[None, None], topics
 
 
-def ann_selection(keys, queries, window, block_size, top_n):
+def ann_selection(keys, queries, window, block_size, top_n, summary):
     """The steps of AnnAttention.masked_sdpa up to its mask, for one sequence and one kv head.
 
     -> mask (L, L), block scores (L, m), block ids and valid (L, n), candidate counts (L,).
     """
     length = keys.shape[2]
-    summaries = block_means(keys, 0, length // block_size, block_size)
-    group_queries = group_query_sum(queries, kv_heads=1)
+    summaries = block_summaries(keys, 0, length // block_size, block_size, summary)
+    group_queries = selection_queries(queries, 1, summary)
     limits = candidate_count(torch.arange(length)[None], window, block_size)
     block_ids, valid = exact_select(group_queries, summaries, limits, top_n)
     mask = far_mask(block_ids, valid, length, window, block_size) | window_band(length, 0, 0, length, window, keys.device)
@@ -188,7 +190,7 @@ def main(argv=None):
     args = parse_args(argv)
     generator = torch.Generator().manual_seed(args.seed)
     keys, queries, topics = topic_sequence(args, generator)
-    mask, scores, block_ids, valid, limits = ann_selection(keys, queries, args.window, args.block_size, args.top_n)
+    mask, scores, block_ids, valid, limits = ann_selection(keys, queries, args.window, args.block_size, args.top_n, args.summary)
     fig = draw(args, mask, scores, block_ids, valid, limits, topics)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from model import ann_attention
 from model.ann_attention import AnnAttention
 from model.model import Rope
+from model.retrieval import exact_select
 
 
 THETA = 100.0  # a small RoPE base, so that rotations matter at the tests' short lengths
@@ -25,7 +26,23 @@ def run(core, q, k, v, starts=None, ends=None, cache=None):
     return core(q, k, v, starts, ends, cache, rope)
 
 
-def reference_masks(block_q, block_k, window, block_size, top_n):
+def reference_block_scores(block_q, block_k, block_size, summary):
+    """(b, g, t_query, m) scores of every complete block: the group's summed queries . mean key, or
+    the sum over the group's heads of max over the block's keys of the channel-wise products'
+    upper bound, sum_c max(q_c * k_c) for k in the block, spelled out channel by channel."""
+    b, h, length, d = block_q.shape
+    g = block_k.shape[1]
+    num_blocks = length // block_size
+    blocks = block_k[:, :, : num_blocks * block_size].reshape(b, g, num_blocks, block_size, d)
+    grouped_q = block_q.reshape(b, g, h // g, length, d)
+    if summary == "mean":
+        return grouped_q.sum(2) @ blocks.mean(3).transpose(-1, -2)
+    # products (b, g, r, t_query, m, B, d): each channel's largest product over the block's keys
+    products = grouped_q[:, :, :, :, None, None, :] * blocks[:, :, None, None]
+    return products.amax(dim=5).sum(dim=-1).sum(dim=2)
+
+
+def reference_masks(block_q, block_k, window, block_size, top_n, summary):
     """The definition, spelled out: (b, g, t_query, t_key) boolean masks of the window keys and of
     the retrieved keys each query sees, from queries and keys in the blocks' frame."""
     b, h, length, d = block_q.shape
@@ -37,9 +54,7 @@ def reference_masks(block_q, block_k, window, block_size, top_n):
     num_blocks = length // block_size
     if num_blocks == 0 or top_n == 0:
         return window_mask, far_mask
-    summaries = block_k[:, :, : num_blocks * block_size].reshape(b, g, num_blocks, block_size, d).mean(3)
-    group_queries = block_q.reshape(b, g, h // g, length, d).sum(2)
-    scores = group_queries @ summaries.transpose(-1, -2)
+    scores = reference_block_scores(block_q, block_k, block_size, summary)
     block_starts = torch.arange(num_blocks) * block_size
     is_candidate = block_starts[None, :] <= query_pos - window
     scores = scores.masked_fill(~is_candidate, float("-inf"))
@@ -51,7 +66,7 @@ def reference_masks(block_q, block_k, window, block_size, top_n):
     return window_mask, far_mask
 
 
-def reference_attention(q, k, v, window, block_size, top_n, block_position="capped"):
+def reference_attention(q, k, v, window, block_size, top_n, block_position="capped", summary="bounds"):
     """Unrotated q (b, h, t, d), k/v (b, g, t, d) -> out: window keys at their true distance, retrieved
     keys at W + (t mod W) (capped) or at their true distance."""
     b, h, length, d = q.shape
@@ -63,7 +78,7 @@ def reference_attention(q, k, v, window, block_size, top_n, block_position="capp
         block_q, block_k = rope.at(q, capped), k
     else:
         block_q, block_k = window_q, window_k
-    window_mask, far_mask = reference_masks(block_q.detach(), block_k.detach(), window, block_size, top_n)
+    window_mask, far_mask = reference_masks(block_q.detach(), block_k.detach(), window, block_size, top_n, summary)
 
     def logits(queries, keys):
         return queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) / d**0.5
@@ -74,7 +89,9 @@ def reference_attention(q, k, v, window, block_size, top_n, block_position="capp
     return scores.softmax(-1) @ v.repeat_interleave(groups, dim=1)
 
 
-def make_core(heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8, block_position="capped"):
+def make_core(
+    heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8, block_position="capped", summary="bounds"
+):
     config = MiniMindConfig(
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
@@ -86,6 +103,7 @@ def make_core(heads, kv_heads, window, block_size, top_n, retrieval="exact", hea
         ann_top_n=top_n,
         ann_retrieval=retrieval,
         ann_block_position=block_position,
+        ann_block_summary=summary,
     )
     return AnnAttention(config)
 
@@ -105,8 +123,9 @@ GRID = list(
         [(BLOCK, BLOCK), (4 * BLOCK, BLOCK), (8, 4)],  # (window, block size)
         [0, 1, 3, 10_000],  # top_n; 10_000 covers every candidate
         [(4, 4), (4, 2)],  # (heads, kv heads): MHA and GQA
-        [1, 3],  # batch
+        [2],  # batch (rows are independent; batch 1 is covered by the decoding and model tests)
         ["capped", "true"],  # ann_block_position
+        ["bounds", "mean"],  # ann_block_summary
     )
 )
 
@@ -120,14 +139,14 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("length,window_block,top_n,heads,batch,block_position", GRID)
-def test_matches_reference_outputs_and_gradients(path, length, window_block, top_n, heads, batch, block_position):
+@pytest.mark.parametrize("length,window_block,top_n,heads,batch,block_position,summary", GRID)
+def test_matches_reference_outputs_and_gradients(path, length, window_block, top_n, heads, batch, block_position, summary):
     window, block_size = window_block
     num_heads, kv_heads = heads
-    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position)
+    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position, summary=summary)
     q, k, v = random_qkv(batch, num_heads, kv_heads, length, seed=length + top_n)
     out = run(core, q, k, v)
-    expected = reference_attention(q, k, v, window, block_size, top_n, block_position)
+    expected = reference_attention(q, k, v, window, block_size, top_n, block_position, summary)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
     upstream = torch.randn_like(out)
     grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
@@ -168,12 +187,14 @@ def test_capped_blocks_do_not_depend_on_their_distance(path, block_position):
     window, block_size, heads, d = 16, 8, 4, 8
     generator = torch.Generator().manual_seed(0)
     filler_k, filler_v, query = (torch.randn(d, generator=generator, dtype=torch.float64) for _ in range(3))
+    block_k = torch.randn(8, d, generator=generator, dtype=torch.float64) + 3 * query
+    block_v = torch.randn(8, d, generator=generator, dtype=torch.float64)
     outputs = []
     for length in (64 + 16 * 10, 4000 + 16 * 10):
         k = filler_k.expand(1, 2, length, d).clone()
         v = filler_v.expand(1, 2, length, d).clone()
-        k[:, :, 8:16] = torch.randn(8, d, generator=generator, dtype=torch.float64) + 3 * query
-        v[:, :, 8:16] = torch.randn(8, d, generator=generator, dtype=torch.float64)
+        k[:, :, 8:16] = block_k
+        v[:, :, 8:16] = block_v
         q = query.expand(1, heads, length, d).contiguous()
         core = make_core(heads, 2, window, block_size, 2, block_position=block_position)
         outputs.append(run(core, q, k, v)[:, :, -1])
@@ -311,3 +332,21 @@ def test_key_shift_is_the_plain_model_at_zero_and_its_weights_round_trip(tmp_pat
     assert loaded.config.key_shift
     torch.testing.assert_close(loaded(input_ids).logits, shifted(input_ids).logits, atol=0, rtol=0)
     assert (loaded(input_ids).logits - plain(input_ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("summary", ["bounds", "mean"])
+def test_bounds_summary_finds_a_block_by_its_one_matching_key(summary):
+    """The passkey situation: one key of a block matches the query, the block's other keys do not.
+    Filler blocks all match a little. Bounds ranks the needle's block first; the mean, diluted by
+    the 15 mismatching keys, ranks it last."""
+    block_size, d, num_blocks, needle = 16, 8, 12, 5
+    generator = torch.Generator().manual_seed(0)
+    query = torch.nn.functional.normalize(torch.randn(d, generator=generator, dtype=torch.float64), dim=0)
+    keys = 0.5 * query + 0.05 * torch.randn(num_blocks * block_size, d, generator=generator, dtype=torch.float64)
+    keys[needle * block_size : (needle + 1) * block_size] -= query
+    keys[needle * block_size + 7] = 3 * query
+    summaries = ann_attention.block_summaries(keys[None, None], 0, num_blocks, block_size, summary)
+    selecting = ann_attention.selection_queries(query.expand(1, 4, 1, d), 1, summary)
+    block_ids, valid = exact_select(selecting, summaries, torch.tensor([[num_blocks]]), top_n=num_blocks)
+    ranking = block_ids[0, 0, 0][valid[0, 0, 0]].tolist()
+    assert ranking.index(needle) == (0 if summary == "bounds" else num_blocks - 1)

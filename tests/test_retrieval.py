@@ -121,6 +121,7 @@ def test_hnsw_state_is_tied_to_its_batch():
         (dict(ann_window=40, ann_block_size=16), "must be a multiple of ann_block_size"),
         (dict(ann_retrieval="faiss"), "ann_retrieval must be one of"),
         (dict(attn_impl="sparse"), "attn_impl must be one of"),
+        (dict(ann_block_summary="median"), "ann_block_summary must be one of"),
         (dict(ann_top_n=-1), "ann_top_n must be a non-negative integer"),
         (dict(hidden_size=100, num_attention_heads=3), "must divide hidden_size"),
         (dict(num_attention_heads=8, num_key_value_heads=3), "must divide num_attention_heads"),

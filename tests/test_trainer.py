@@ -162,6 +162,7 @@ def test_corrupt_latest_checkpoint_is_skipped(data_dir, tmp_path, capsys):
         (["--ann_window", "40", "--ann_block_size", "16"], "must be a multiple of ann_block_size"),
         (["--ann_retrieval", "faiss"], "ann_retrieval must be one of"),
         (["--ann_block_position", "far"], "ann_block_position must be one of"),
+        (["--ann_block_summary", "median"], "ann_block_summary must be one of"),
         (["--num_attention_heads", "8", "--num_key_value_heads", "3"], "must divide num_attention_heads"),
         (["--from_weight", "no/such/folder"], "not a saved model folder"),
         (["--use_wandb"], "wandb"),

@@ -101,6 +101,7 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_top_n", type=int, default=None)
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
+    p.add_argument("--ann_block_summary", default=None, help="bounds | mean: how a block is scored for retrieval")
     p.add_argument("--from_weight", default="none", help="saved model folder of an earlier stage, or 'none'")
     p.add_argument("--from_resume", type=int, choices=[0, 1], default=0, help="1: continue from out_dir/checkpoints")
     p.add_argument("--log_interval", type=int, default=10, help="optimizer steps between metrics lines")
@@ -151,6 +152,7 @@ def build_config(args):
         ann_top_n=args.ann_top_n,
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
+        ann_block_summary=args.ann_block_summary,
     )
     size_flags = {
         name: getattr(args, name)
