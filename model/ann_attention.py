@@ -232,7 +232,7 @@ class AnnLayerCache(KVBuffer):
         first = int(starts.min()) // block_size
         end = int(ends.max()) // block_size
         fresh = block_summaries(self.k, first, end, block_size, self.summary)
-        self.summaries = with_capacity(self.summaries, fresh, end)
+        self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // block_size)
         self.summaries[:, :, first:end] = fresh
         return self.summaries[:, :, :end]
 

@@ -9,7 +9,8 @@ Modes:
     decode    per-token latency of one new token against a cache of seq_len tokens. The ANN
               cache is built by chunked prefill through the core (it needs the block summaries
               and HNSW graphs a real prefill leaves); the dense KV buffer is filled by writing the
-              random keys into it, since no dense attention is needed to make its state.
+              random keys into it, since no dense attention is needed to make its state. Both
+              caches are reserved for the whole length up front, as model.generate reserves them.
 Each row runs in a fresh process (see scripts/bench_common.py for timing and peak memory). A row
 is skipped, with the reason printed, when its memory or time extrapolated from the shorter rows
 of its series would exceed --mem_limit_gb or --max_row_s.
@@ -152,7 +153,8 @@ def measure_decode(settings, impl, _mode, length):
     memory = PeakMemory(device)
     generator = torch.Generator(device).manual_seed(settings["seed"])
     core = build_core(settings, impl)
-    cache = core.new_layer_cache()
+    # Reserved for prompt + generated tokens, as model.generate does: no regrowth copies.
+    cache = core.new_layer_cache(reserve=length + settings["warmup"] + settings["decode_steps"])
     batch, chunk = settings["batch"], settings["prefill_chunk"]
 
     started = time.perf_counter()
