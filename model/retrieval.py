@@ -54,7 +54,7 @@ def exact_select(group_queries, summaries, limits, top_n):
         return empty, empty.bool()
     scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
     is_candidate = torch.arange(m, device=scores.device)[None, None, :] < limits[:, :, None]
-    scores = scores.masked_fill(~is_candidate[:, None], NEG_INF)
+    scores.masked_fill_(~is_candidate[:, None], NEG_INF)  # in place: a fresh matmul output, the largest tensor here
     top_scores, block_ids = scores.topk(min(top_n, m), dim=-1)
     return pad_selection(block_ids, top_scores > NEG_INF, top_n)
 
