@@ -220,19 +220,20 @@ class AnnLayerCache(KVBuffer):
     def __init__(self, retriever, reserve, block_size, summary):
         super().__init__(reserve, granularity=block_size)
         self.retriever = retriever
+        self.block_size = block_size
         self.summary = summary
         self.summaries = None
 
-    def update_summaries(self, starts, ends, block_size):
+    def update_summaries(self, starts, ends):
         """Recompute the summaries of every block that the last write touched.
 
         summaries (b, g, m, e) covers blocks complete in every row up to ends; blocks that hold a
         row's not-yet-real positions (padding) are recomputed once real keys replace them.
         """
-        first = int(starts.min()) // block_size
-        end = int(ends.max()) // block_size
-        fresh = block_summaries(self.k, first, end, block_size, self.summary)
-        self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // block_size)
+        first = int(starts.min()) // self.block_size
+        end = int(ends.max()) // self.block_size
+        fresh = block_summaries(self.k, first, end, self.block_size, self.summary)
+        self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // self.block_size)
         self.summaries[:, :, first:end] = fresh
         return self.summaries[:, :, :end]
 
@@ -280,14 +281,14 @@ class AnnAttention:
         last_position = int(first.max()) + s - 1
         if self.is_dense(last_position):
             if layer_cache is not None:
-                layer_cache.update_summaries(first, ends, self.block_size)
+                layer_cache.update_summaries(first, ends)
             return dense_attention(q, self.window_frame(keys, rope), values, starts)
         if layer_cache is None:
             retriever = build_retriever(self.config)
             summaries = block_summaries(k, 0, s // self.block_size, self.block_size, self.summary)
         else:
             retriever = layer_cache.retriever
-            summaries = layer_cache.update_summaries(first, ends, self.block_size)
+            summaries = layer_cache.update_summaries(first, ends)
 
         group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
         if s <= MASKED_SDPA_MAX_LEN and bool((first == 0).all()):
@@ -303,7 +304,7 @@ class AnnAttention:
         block_q_tiles = block_q.view(grouped_shape).split(QUERY_TILE, dim=3)
         tiles = []
         for tile_begin, q_tile, block_q_tile in zip(range(0, s, QUERY_TILE), q_tiles, block_q_tiles):
-            tile_len = min(QUERY_TILE, s - tile_begin)
+            tile_len = q_tile.shape[3]
             chunk = min(self.window, tile_len)
             padded_len = -(-tile_len // chunk) * chunk
             pad = (0, 0, 0, padded_len - tile_len)

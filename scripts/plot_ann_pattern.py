@@ -1,7 +1,8 @@
 """Draw which keys each query of ANN attention sees (docs/ann_pattern.png).
 
 The mask comes from the code the model runs (model/ann_attention.py, masked SDPA path): block
-summaries (--summary, the model's default bounds) -> candidate counts -> exact top-n selection -> `far_mask` | `window_band`, for one kv head. The keys
+summaries (--summary, default the model's: bounds) -> candidate counts -> exact top-n selection ->
+`far_mask` | `window_band`, for one kv head. The keys
 are synthetic but structured: the sequence is a run of "topics" two blocks long, each key is its
 topic's direction plus noise and each query points along its own topic, so retrieval should pick
 earlier blocks of the same topic (random keys would give a pattern with nothing to read in it).
