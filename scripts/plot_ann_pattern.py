@@ -29,8 +29,8 @@ import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from model.config import BLOCK_SUMMARIES, MiniMindConfig
 from model.ann_attention import block_summaries, far_mask, selection_queries, window_band
+from model.config import BLOCK_SUMMARIES, MiniMindConfig
 from model.retrieval import candidate_count, exact_select
 
 FUTURE, SKIPPED, WINDOW, RETRIEVED = range(4)
@@ -191,7 +191,9 @@ def main(argv=None):
     args = parse_args(argv)
     generator = torch.Generator().manual_seed(args.seed)
     keys, queries, topics = topic_sequence(args, generator)
-    mask, scores, block_ids, valid, limits = ann_selection(keys, queries, args.window, args.block_size, args.top_n, args.summary)
+    mask, scores, block_ids, valid, limits = ann_selection(
+        keys, queries, args.window, args.block_size, args.top_n, args.summary
+    )
     fig = draw(args, mask, scores, block_ids, valid, limits, topics)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
