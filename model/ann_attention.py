@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .model import KVBuffer, dense_attention, with_capacity
+from .model import KVBuffer, Rope, dense_attention, with_capacity
 from .retrieval import build_retriever, candidate_count
 
 NEG_INF = float("-inf")
@@ -139,40 +139,37 @@ def gather_blocks(keys, block_ids, block_size):
 def attend_tile(q, block_q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk):
     """Attention of one tile of queries over its window slab and its retrieved blocks.
 
-    q (b, g, r, T, d) with T = c * C, and C = W or c = 1, in the window keys' frame; block_q like q,
-    in the block keys' frame; slab_k/v (b, g, T+W, d) and slab_positions (b, T+W) start W-1 before
-    the first query; block_k/v (b, g, T, n*B, d); block_visible (b, g, T, n*B) -> out (b, g, r, T, d).
+    q (b, g, T, r, d), token-major, with T = c * C, and C = W or c = 1, in the window keys' frame
+    and already scaled by 1/sqrt(d); block_q like q, in the block keys' frame; slab_k/v (b, g, T+W, d)
+    and slab_positions (b, T+W) start W-1 before the first query; block_k/v (b, g, T, n*B, d);
+    block_visible (b, g, T, n*B) -> out (b, g, T, r, d).
 
     Queries go in chunks of C: each query scores the C+W keys of its chunk, not the tile's slab.
+    Token-major rows (a query's r heads side by side) let window and block logits share one
+    layout, so they meet in one softmax without transposes.
     """
-    b, g, r, tile_len, d = q.shape
+    b, g, tile_len, r, d = q.shape
     num_chunks, span = tile_len // chunk, chunk + window
-    scale = 1.0 / math.sqrt(d)
     chunk_keys = chunk_slab(slab_k, num_chunks, window)  # (b, g, c, span, d)
     chunk_values = chunk_slab(slab_v, num_chunks, window)
     chunk_positions = chunk_slab(slab_positions[..., None], num_chunks, window)[..., 0]  # (b, c, span)
     offsets = torch.arange(span, device=q.device)[None, :] - torch.arange(chunk, device=q.device)[:, None]
     band = (offsets >= 0) & (offsets < window)  # (C, span): query a sees chunk keys a .. a+W-1
-    visible = band[None, None] & (chunk_positions >= 0)[:, :, None, :]  # (b, c, C, span)
-    q_chunks = q.view(b, g, r, num_chunks, chunk, d).transpose(2, 3).reshape(b, g, num_chunks, r * chunk, d)
-    window_logits = (q_chunks @ chunk_keys.transpose(-1, -2)).view(b, g, num_chunks, r, chunk, span)
-    window_logits = window_logits.mul(scale).masked_fill(~visible[:, None, :, None], NEG_INF)
+    hidden = ~(band[None, None] & (chunk_positions >= 0)[:, :, None, :])  # (b, c, C, span)
+    q_rows = q.reshape(b, g, num_chunks, chunk * r, d)
+    window_logits = (q_rows @ chunk_keys.transpose(-1, -2)).view(b, g, num_chunks, chunk, r, span)
+    window_logits.masked_fill_(hidden[:, None, :, :, None], NEG_INF)  # a fresh matmul output: in place
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)
     if block_k is None:
         weights = window_logits.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
-        out = weights.view(b, g, num_chunks, r * chunk, span) @ chunk_values
-    else:
-        block_logits = block_q.transpose(2, 3) @ block_k.transpose(-1, -2)  # (b, g, T, r, n*B)
-        block_logits = block_logits.view(b, g, num_chunks, chunk, r, -1).transpose(3, 4).mul(scale)
-        block_mask = block_visible.view(b, g, num_chunks, 1, chunk, -1)
-        block_logits = block_logits.masked_fill(~block_mask, NEG_INF)
-        weights = torch.cat([window_logits, block_logits], dim=-1).softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
-        window_weights, block_weights = weights.split([span, block_logits.shape[-1]], dim=-1)
-        out = window_weights.reshape(b, g, num_chunks, r * chunk, span) @ chunk_values
-        block_weights = block_weights.transpose(3, 4).reshape(b, g, tile_len, r, -1)
-        block_out = (block_weights @ block_v).view(b, g, num_chunks, chunk, r, d).transpose(3, 4)
-        out = out + block_out.reshape(out.shape)
-    return out.view(b, g, num_chunks, r, chunk, d).transpose(2, 3).reshape(q.shape)
+        return (weights.view(b, g, num_chunks, chunk * r, span) @ chunk_values).view(q.shape)
+    block_logits = block_q @ block_k.transpose(-1, -2)  # (b, g, T, r, n*B)
+    block_logits.masked_fill_(~block_visible[:, :, :, None], NEG_INF)
+    logits = torch.cat([window_logits.view(b, g, tile_len, r, span), block_logits], dim=-1)
+    weights = logits.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
+    window_weights, block_weights = weights.split([span, block_logits.shape[-1]], dim=-1)
+    out = window_weights.reshape(b, g, num_chunks, chunk * r, span) @ chunk_values
+    return out.view(q.shape) + block_weights @ block_v
 
 
 def window_band(num_queries, first_query, first_key, num_keys, window, device):
@@ -273,7 +270,7 @@ class AnnAttention:
         first = torch.zeros(b, dtype=torch.long, device=q.device) if starts is None else starts
         ends = first + s if ends is None else ends
         query_positions = rope.positions
-        q, block_q, k = self.frames(q, k, rope)
+        k = self.stored_frame(k, rope)
         if layer_cache is None:
             keys, values = k, v
         else:
@@ -282,7 +279,7 @@ class AnnAttention:
         if self.is_dense(last_position):
             if layer_cache is not None:
                 layer_cache.update_summaries(first, ends)
-            return dense_attention(q, self.window_frame(keys, rope), values, starts)
+            return dense_attention(rope(q), self.window_frame(keys, rope), values, starts)
         if layer_cache is None:
             retriever = build_retriever(self.config)
             summaries = block_summaries(k, 0, s // self.block_size, self.block_size, self.summary)
@@ -290,57 +287,91 @@ class AnnAttention:
             retriever = layer_cache.retriever
             summaries = layer_cache.update_summaries(first, ends)
 
-        group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
         if s <= MASKED_SDPA_MAX_LEN and bool((first == 0).all()):
+            window_q, block_q = self.query_frames(q, rope)
+            group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
             limits = candidate_count(torch.minimum(query_positions, ends[:, None] - 1), self.window, self.block_size)
             with torch.no_grad():
                 top_n = min(self.top_n, int(limits.max()))
                 block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
-            return self.masked_sdpa(q, keys[:, :, :s], values[:, :, :s], far, rope)
-        grouped_shape = (b, self.kv_heads, h // self.kv_heads, s, d)
-        # split, not a slice per tile: a slice's backward writes a zero gradient of the whole q per tile
-        q_tiles = q.view(grouped_shape).split(QUERY_TILE, dim=3)
-        block_q_tiles = block_q.view(grouped_shape).split(QUERY_TILE, dim=3)
+            return self.masked_sdpa(window_q, keys[:, :, :s], values[:, :, :s], far, rope)
+        return self.tiled(q, keys, values, first, ends, retriever, summaries, rope)
+
+    def tiled(self, q, keys, values, first, ends, retriever, summaries, rope):
+        """Queries in tiles of QUERY_TILE: each tile selects its blocks, gathers their keys and
+        attends over its window slab and them (attend_tile). Arguments as in __call__, with keys
+        and values everything stored (b, g, t, d) and summaries those of the complete blocks."""
+        b, h, s, d = q.shape
+        window = self.window
+        grouped_shape = (b, self.kv_heads, h // self.kv_heads, -1, d)
+        scale = 1.0 / math.sqrt(d)
+        # cos/sin once per call, sliced per tile: the far frame of the queries, and every slab position
+        far_rope = self.far_rope(rope)
+        slab_rope = None
+        if self.capped:
+            slab_positions = first[:, None] - (window - 1) + torch.arange(s + 2 * window, device=q.device)
+            slab_rope = Rope(slab_positions, rope.head_dim, rope.theta, rope.dtype)
         tiles = []
-        for tile_begin, q_tile, block_q_tile in zip(range(0, s, QUERY_TILE), q_tiles, block_q_tiles):
-            tile_len = q_tile.shape[3]
-            chunk = min(self.window, tile_len)
+        # Split, not a slice per tile: a slice's backward writes a zero gradient of the whole q per
+        # tile. Each tile is rotated on its own, so the rotated copies stay in cache.
+        for tile_begin, q_tile in zip(range(0, s, QUERY_TILE), q.split(QUERY_TILE, dim=2)):
+            tile_len = q_tile.shape[2]
+            tile_end = tile_begin + tile_len
+            far_tile = None if far_rope is None else far_rope.slice(tile_begin, tile_end)
+            window_q, block_q = self.query_frames(q_tile * scale, rope.slice(tile_begin, tile_end), far_tile)
+            group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
+            chunk = min(window, tile_len)
             padded_len = -(-tile_len // chunk) * chunk
-            pad = (0, 0, 0, padded_len - tile_len)
+            if padded_len > tile_len:
+                pad = (0, 0, 0, padded_len - tile_len)
+                window_q, block_q, group_queries = F.pad(window_q, pad), F.pad(block_q, pad), F.pad(group_queries, pad)
             tile_first = first + tile_begin
             tile_positions = tile_first[:, None] + torch.arange(padded_len, device=q.device)
-            slab_k, slab_v, slab_positions = window_slab(keys, values, tile_first, padded_len, self.window)
+            slab_k, slab_v, slab_positions = window_slab(keys, values, tile_first, padded_len, window)
             if self.capped:
-                slab_k = rope.at(slab_k, slab_positions)
+                slab_k = slab_rope.slice(tile_begin, tile_begin + padded_len + window)(slab_k)
             block_k = block_v = block_visible = None
             real_positions = torch.minimum(tile_positions, ends[:, None] - 1)
-            limits = candidate_count(real_positions, self.window, self.block_size)
+            limits = candidate_count(real_positions, window, self.block_size)
             # No query has more than limits.max() candidates: more slots would only be padding.
             top_n = min(self.top_n, int(limits.max()))
             if top_n:
                 with torch.no_grad():
-                    tile_queries = F.pad(group_queries[:, :, tile_begin : tile_begin + tile_len], pad)
-                    block_ids, valid = retriever.select(tile_queries, summaries, limits, top_n)
+                    block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
                 block_k = gather_blocks(keys, block_ids, self.block_size)
                 block_v = gather_blocks(values, block_ids, self.block_size)
                 key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device)
-                older_than_window = key_positions <= (tile_positions - self.window)[:, None, :, None, None]
+                older_than_window = key_positions <= (tile_positions - window)[:, None, :, None, None]
                 block_visible = (valid[..., None] & older_than_window).flatten(-2)
             out = attend_tile(
-                F.pad(q_tile, pad),
-                F.pad(block_q_tile, pad),
-                slab_k, slab_v, slab_positions, block_k, block_v, block_visible, self.window, chunk,
+                window_q.view(grouped_shape).transpose(2, 3),
+                block_q.view(grouped_shape).transpose(2, 3),
+                slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk,
             )
-            tiles.append(out[:, :, :, :tile_len])
-        return torch.cat(tiles, dim=3).reshape(b, h, s, d)
+            tiles.append(out[:, :, :tile_len].transpose(1, 2))  # (b, T, g, r, d)
+        # (b, s, h, d) memory seen as (b, h, s, d): the output projection reads it without a copy
+        return torch.cat(tiles, dim=1).view(b, s, h, d).transpose(1, 2)
 
-    def frames(self, q, k, rope):
-        """Unrotated q (b, h, s, d), k (b, g, s, d) -> (q for window keys, q for block keys, k to store)."""
-        if self.capped:
-            return rope(q), rope.at(q, far_positions(rope.positions, self.window)), k
-        q = rope(q)
-        return q, q, rope(k)
+    def far_rope(self, rope):
+        """The Rope that puts queries in the frame of capped retrieved keys (None for true positions)."""
+        if not self.capped:
+            return None
+        return Rope(far_positions(rope.positions, self.window), rope.head_dim, rope.theta, rope.dtype)
+
+    def query_frames(self, q, rope, far_rope=None):
+        """Unrotated q (b, h, s, d) -> (q for window keys, q for block keys), each (b, h, s, d).
+
+        far_rope: self.far_rope(rope) when the caller has it already.
+        """
+        window_q = rope(q)
+        if not self.capped:
+            return window_q, window_q
+        return window_q, (far_rope or self.far_rope(rope))(q)
+
+    def stored_frame(self, k, rope):
+        """Unrotated k (b, g, s, d) -> the frame the cache stores: unrotated when capped, else rotated."""
+        return k if self.capped else rope(k)
 
     def window_frame(self, keys, rope):
         """Stored keys (b, g, t, d) of positions 0 .. t-1, rotated at their positions for the window."""

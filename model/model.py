@@ -65,9 +65,14 @@ class Rope:
     keeps retrieved keys at capped distances, model/ann_attention.py).
     """
 
-    def __init__(self, positions, head_dim, theta, dtype):
+    def __init__(self, positions, head_dim, theta, dtype, cos_sin=None):
         self.positions, self.head_dim, self.theta, self.dtype = positions, head_dim, theta, dtype
-        self.cos, self.sin = rope_cos_sin(positions, head_dim, theta, dtype)
+        self.cos, self.sin = cos_sin or rope_cos_sin(positions, head_dim, theta, dtype)
+
+    def slice(self, begin, end):
+        """The Rope of new tokens begin .. end-1 of this one's, sharing its cos/sin."""
+        cos_sin = (self.cos[:, :, begin:end], self.sin[:, :, begin:end])
+        return Rope(self.positions[:, begin:end], self.head_dim, self.theta, self.dtype, cos_sin)
 
     def __call__(self, x):
         """x (b, heads, s, d) of the new tokens, rotated at their positions."""

@@ -53,8 +53,12 @@ def exact_select(group_queries, summaries, limits, top_n):
         empty = group_queries.new_zeros(*group_queries.shape[:3], top_n, dtype=torch.long)
         return empty, empty.bool()
     scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
-    is_candidate = torch.arange(m, device=scores.device)[None, None, :] < limits[:, :, None]
-    scores.masked_fill_(~is_candidate[:, None], NEG_INF)  # in place: a fresh matmul output, the largest tensor here
+    # Every query has its first limits.min() blocks as candidates: only the columns past them need
+    # masking, in place (a fresh matmul output, the largest tensor here).
+    first_masked = int(limits.min())
+    if first_masked < m:
+        is_candidate = torch.arange(first_masked, m, device=scores.device)[None, None, :] < limits[:, :, None]
+        scores[..., first_masked:].masked_fill_(~is_candidate[:, None], NEG_INF)
     top_scores, block_ids = scores.topk(min(top_n, m), dim=-1)
     return pad_selection(block_ids, top_scores > NEG_INF, top_n)
 
