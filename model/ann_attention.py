@@ -124,16 +124,15 @@ def block_table(keys, block_size):
     return keys[:, :, : m * block_size].reshape(b * g * m, row), m
 
 
-def gather_blocks(keys, block_ids, block_size):
-    """keys (b, g, t, d), block_ids (b, g, T, n) -> (b, g, T, n*B, d): each query's block keys.
-
-    One index_select over the flat block table: far faster on CPU than advanced indexing.
+def gather_blocks(table, rows_per_head, block_ids, head_dim):
+    """table (b*g*M, B*d) from block_table, block_ids (b, g, T, n) -> (b, g, T, n*B, d): each
+    query's block keys. One index_select over the flat block table: far faster on CPU than
+    advanced indexing.
     """
-    b, g, _, d = keys.shape
-    table, rows_per_head = block_table(keys, block_size)
-    row_offsets = (torch.arange(b * g, device=keys.device) * rows_per_head).view(b, g, 1, 1)
+    b, g, tile_len, _ = block_ids.shape
+    row_offsets = (torch.arange(b * g, device=table.device) * rows_per_head).view(b, g, 1, 1)
     gathered = table.index_select(0, (block_ids + row_offsets).flatten())
-    return gathered.view(b, g, block_ids.shape[2], -1, d)
+    return gathered.view(b, g, tile_len, -1, head_dim)
 
 
 def attend_tile(q, block_q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk):
@@ -299,23 +298,32 @@ class AnnAttention:
         return self.tiled(q, keys, values, first, ends, retriever, summaries, rope)
 
     def tiled(self, q, keys, values, first, ends, retriever, summaries, rope):
-        """Queries in tiles of QUERY_TILE: each tile selects its blocks, gathers their keys and
-        attends over its window slab and them (attend_tile). Arguments as in __call__, with keys
-        and values everything stored (b, g, t, d) and summaries those of the complete blocks."""
+        """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its
+        window slab and them (attend_tile). Arguments as in __call__, with keys and values
+        everything stored (b, g, t, d) and summaries those of the complete blocks.
+
+        Whatever a tile reads of a whole-call tensor comes from one op per call (split, unbind,
+        one gather), never a slice per tile: a slice's backward writes a zero gradient of the whole
+        tensor, once per tile.
+        """
         b, h, s, d = q.shape
         window = self.window
-        grouped_shape = (b, self.kv_heads, h // self.kv_heads, -1, d)
-        scale = 1.0 / math.sqrt(d)
-        # cos/sin once per call, sliced per tile: the far frame of the queries, and every slab position
-        far_rope = self.far_rope(rope)
-        slab_rope = None
+        tile_size = self.tile_size(s)
+        tile_begins = range(0, s, tile_size)
+        slab_k, slab_v, slab_positions = window_slab(keys, values, first, len(tile_begins) * tile_size, window)
         if self.capped:
-            slab_positions = first[:, None] - (window - 1) + torch.arange(s + 2 * window, device=q.device)
-            slab_rope = Rope(slab_positions, rope.head_dim, rope.theta, rope.dtype)
-        tiles = []
-        # Split, not a slice per tile: a slice's backward writes a zero gradient of the whole q per
-        # tile. Each tile is rotated on its own, so the rotated copies stay in cache.
-        for tile_begin, q_tile in zip(range(0, s, QUERY_TILE), q.split(QUERY_TILE, dim=2)):
+            slab_k = Rope(slab_positions, rope.head_dim, rope.theta, rope.dtype)(slab_k)
+        slab_tiles = zip(*(
+            tensor.unfold(-2, tile_size + window, tile_size).transpose(-1, -2).unbind(-3)
+            for tensor in (slab_k, slab_v, slab_positions[..., None])
+        ))
+        key_table, rows_per_head = block_table(keys, self.block_size)
+        value_table, _ = block_table(values, self.block_size)
+        far_rope = self.far_rope(rope)  # cos/sin once per call, sliced per tile
+        scale = 1.0 / math.sqrt(d)
+
+        def plan(tile_begin, q_tile, slab):
+            """One tile's queries in both frames, padded to whole chunks, and its selected blocks."""
             tile_len = q_tile.shape[2]
             tile_end = tile_begin + tile_len
             far_tile = None if far_rope is None else far_rope.slice(tile_begin, tile_end)
@@ -326,32 +334,45 @@ class AnnAttention:
             if padded_len > tile_len:
                 pad = (0, 0, 0, padded_len - tile_len)
                 window_q, block_q, group_queries = F.pad(window_q, pad), F.pad(block_q, pad), F.pad(group_queries, pad)
-            tile_first = first + tile_begin
-            tile_positions = tile_first[:, None] + torch.arange(padded_len, device=q.device)
-            slab_k, slab_v, slab_positions = window_slab(keys, values, tile_first, padded_len, window)
-            if self.capped:
-                slab_k = slab_rope.slice(tile_begin, tile_begin + padded_len + window)(slab_k)
-            block_k = block_v = block_visible = None
-            real_positions = torch.minimum(tile_positions, ends[:, None] - 1)
-            limits = candidate_count(real_positions, window, self.block_size)
+            positions = first[:, None] + tile_begin + torch.arange(padded_len, device=q.device)
+            limits = candidate_count(torch.minimum(positions, ends[:, None] - 1), window, self.block_size)
             # No query has more than limits.max() candidates: more slots would only be padding.
             top_n = min(self.top_n, int(limits.max()))
+            selection = None
             if top_n:
                 with torch.no_grad():
-                    block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
-                block_k = gather_blocks(keys, block_ids, self.block_size)
-                block_v = gather_blocks(values, block_ids, self.block_size)
+                    selection = retriever.select(group_queries, summaries, limits, top_n)
+            slab = [part[..., : padded_len + window, :] for part in slab]
+            return tile_len, chunk, positions, window_q, block_q, slab, selection
+
+        tiles = []
+        for tile_len, chunk, positions, window_q, block_q, slab, selection in map(
+            plan, tile_begins, q.split(tile_size, dim=2), slab_tiles
+        ):
+            block_k = block_v = block_visible = None
+            if selection is not None:
+                block_ids, valid = selection
+                block_k = gather_blocks(key_table, rows_per_head, block_ids, d)
+                block_v = gather_blocks(value_table, rows_per_head, block_ids, d)
                 key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device)
-                older_than_window = key_positions <= (tile_positions - window)[:, None, :, None, None]
+                older_than_window = key_positions <= (positions - window)[:, None, :, None, None]
                 block_visible = (valid[..., None] & older_than_window).flatten(-2)
+            grouped_shape = (b, self.kv_heads, h // self.kv_heads, -1, d)
             out = attend_tile(
                 window_q.view(grouped_shape).transpose(2, 3),
                 block_q.view(grouped_shape).transpose(2, 3),
-                slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk,
+                slab[0], slab[1], slab[2][..., 0], block_k, block_v, block_visible, window, chunk,
             )
             tiles.append(out[:, :, :tile_len].transpose(1, 2))  # (b, T, g, r, d)
         # (b, s, h, d) memory seen as (b, h, s, d): the output projection reads it without a copy
         return torch.cat(tiles, dim=1).view(b, s, h, d).transpose(1, 2)
+
+    def tile_size(self, s):
+        """Queries per tile for s new queries: QUERY_TILE rounded up to whole windows (chunks of W
+        then tile it exactly), or all s queries padded to whole chunks when they are fewer."""
+        size = QUERY_TILE if self.window > QUERY_TILE else -(-QUERY_TILE // self.window) * self.window
+        chunk = min(self.window, s)
+        return min(size, -(-s // chunk) * chunk)
 
     def far_rope(self, rope):
         """The Rope that puts queries in the frame of capped retrieved keys (None for true positions)."""

@@ -379,8 +379,11 @@ class MiniMindForCausalLM(PreTrainedModel):
 
         loss = None
         if labels is not None:
+            # Shift the labels, not the logits: slicing the (b, s, vocab) logits would copy them,
+            # and its backward would write a zero gradient of their size.
+            next_tokens = F.pad(labels[:, 1:], (0, 1), value=-100)
             loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+                logits.reshape(-1, logits.shape[-1]).float(), next_tokens.reshape(-1), ignore_index=-100
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 

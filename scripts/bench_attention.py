@@ -11,15 +11,18 @@ Modes:
               and HNSW graphs a real prefill leaves); the dense KV buffer is filled by writing the
               random keys into it, since no dense attention is needed to make its state. Both
               caches are reserved for the whole length up front, as model.generate reserves them.
-Each row runs in a fresh process (see scripts/bench_common.py for timing and peak memory). A row
-is skipped, with the reason printed, when its memory or time extrapolated from the shorter rows
-of its series would exceed --mem_limit_gb or --max_row_s.
+Each row's peak memory is measured in a fresh process of its own; the implementations of one
+(mode, length) are then timed together in one fresh process, taking turns call by call, so that
+their ratio is not at the mercy of the machine's drift (scripts/bench_common.py). A row is
+skipped, with the reason printed, when its memory or time extrapolated from the shorter rows of
+its series would exceed --mem_limit_gb or --max_row_s.
 
     python scripts/bench_attention.py --json docs/bench/attention_cpu.json
     python scripts/bench_attention.py --device cuda --dtype bfloat16 --json docs/bench/attention_cuda.json
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +39,8 @@ from scripts.bench_common import (
     Extrapolator,
     PeakMemory,
     RowFailed,
+    add_allocator_flag,
+    apply_allocator,
     format_table,
     machine_info,
     median_ms,
@@ -45,7 +50,7 @@ from scripts.bench_common import (
     set_threads,
     skip_reason,
     synchronize,
-    time_calls,
+    time_interleaved,
     write_json,
 )
 
@@ -80,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--mem_limit_gb", type=float, default=16.0, help="skip rows estimated to need more")
     p.add_argument("--max_row_s", type=float, default=60.0, help="skip rows estimated to take longer")
     p.add_argument("--seed", type=int, default=0)
+    add_allocator_flag(p)
     p.add_argument("--json", default="docs/bench/attention.json")
     p.add_argument("--png", default=None, help="default: the --json path with .png")
     return p.parse_args(argv)
@@ -117,38 +123,38 @@ def random_qkv(settings, length, generator, requires_grad=False):
     ]
 
 
-def measure_pass(settings, impl, mode, length):
-    """fwd / fwd_bwd row, in its own process: {ms, peak_mb, min_row_s}."""
-    set_threads(settings["threads"])
+def pass_call(settings, impl, mode, length):
+    """The fwd / fwd_bwd call of one implementation on the row's inputs (the same for every impl)."""
     device = settings["device"]
-    memory = PeakMemory(device)
     generator = torch.Generator(device).manual_seed(settings["seed"])
     q, k, v = random_qkv(settings, length, generator, requires_grad=mode == "fwd_bwd")
     core = build_core(settings, impl)
     rope = rope_at(settings, 0, length)
-
     if mode == "fwd":
 
-        def step():
+        def call():
             with torch.no_grad():
                 core(q, k, v, None, None, None, rope)
 
-    else:
-        upstream = torch.randn(q.shape, generator=generator, device=device, dtype=q.dtype)
+        return call
+    upstream = torch.randn(q.shape, generator=generator, device=device, dtype=q.dtype)
 
-        def step():
-            q.grad = k.grad = v.grad = None
-            core(q, k, v, None, None, None, rope).backward(upstream)
+    def call():
+        q.grad = k.grad = v.grad = None
+        core(q, k, v, None, None, None, rope).backward(upstream)
 
-    times = time_calls(step, settings["warmup"], settings["repeats"], device, settings["max_row_s"])
-    ms = median_ms(times)
-    return {"ms": ms, "peak_mb": memory.peak_mb(), "min_row_s": (settings["warmup"] + 1) * ms / 1000}
+    return call
 
 
-def measure_decode(settings, impl, _mode, length):
-    """decode row, in its own process: per-token ms against a cache of `length` tokens, plus the
-    prefill's time and peak (ANN) and the size of the keys and values themselves."""
-    set_threads(settings["threads"])
+def decode_call(settings, impl, length):
+    """One implementation's cache of `length` tokens -> (a call decoding the next token, the
+    PeakMemory started before the measured prefill, {prefill_ms, prefill_peak_mb, kv_cache_mb}).
+
+    The ANN cache is built by chunked prefill through the core; the dense KV buffer by writing
+    the keys. A short prefill into a throwaway cache comes first, as the timed modes warm up: the
+    first calls' one-time allocations (thread pools, BLAS workspaces; ~60 MB on CPU) are not the
+    prefill's.
+    """
     device = settings["device"]
     generator = torch.Generator(device).manual_seed(settings["seed"])
     core = build_core(settings, impl)
@@ -166,8 +172,6 @@ def measure_decode(settings, impl, _mode, length):
                     core(q, k, v, starts, starts + size, cache, rope_at(settings, begin, size))
         synchronize(device)
 
-    # A short prefill into a throwaway cache first, as the timed modes warm up: the first calls'
-    # one-time allocations (thread pools, BLAS workspaces; ~60 MB on CPU) are not the prefill's.
     prefill(core.new_layer_cache(reserve=chunk), min(chunk, length))
     memory = PeakMemory(device)
     # Reserved for prompt + generated tokens, as model.generate does: no regrowth copies.
@@ -175,35 +179,63 @@ def measure_decode(settings, impl, _mode, length):
     started = time.perf_counter()
     prefill(cache, length)
     prefill_s = time.perf_counter() - started
-    prefill_peak_mb = memory.peak_mb()
-
-    steps = [random_qkv(settings, 1, generator) for _ in range(settings["warmup"] + settings["decode_steps"])]
-    ropes = [rope_at(settings, length + i, 1) for i in range(len(steps))]
+    element_bytes = torch.finfo(DTYPES[settings["dtype"]]).bits // 8
+    info = {
+        "prefill_ms": None if impl == "dense" else 1000 * prefill_s,
+        "prefill_peak_mb": memory.peak_mb(),
+        "kv_cache_mb": 2 * batch * settings["kv_heads"] * length * settings["head_dim"] * element_bytes / 2**20,
+    }
+    steps = [
+        (*random_qkv(settings, 1, generator), rope_at(settings, length + i, 1))
+        for i in range(settings["warmup"] + settings["decode_steps"])
+    ]
     position = [length]
 
-    def step():
-        q, k, v = steps[position[0] - length]
+    def call():
+        q, k, v, rope = steps[position[0] - length]
         starts = torch.full((batch,), position[0], device=device)
         with torch.no_grad():
-            core(q, k, v, starts, starts + 1, cache, ropes[position[0] - length])
+            core(q, k, v, starts, starts + 1, cache, rope)
         position[0] += 1
 
-    times = time_calls(step, settings["warmup"], settings["decode_steps"], device, settings["max_row_s"])
-    ms = median_ms(times)
-    element_bytes = torch.finfo(DTYPES[settings["dtype"]]).bits // 8
-    kv_bytes = 2 * batch * settings["kv_heads"] * length * settings["head_dim"] * element_bytes
+    return call, memory, info
+
+
+def measure_memory(settings, impl, mode, length):
+    """One row's memory, in its own process: {peak_mb} (decode: plus the prefill's time and peak
+    and the size of the keys and values). See scripts/bench_common.py for what peak_mb counts."""
+    set_threads(settings["threads"])
+    if mode == "decode":
+        call, memory, info = decode_call(settings, impl, length)
+        for _ in range(settings["warmup"] + 1):
+            call()
+        return {"peak_mb": memory.peak_mb(), **info}
+    memory = PeakMemory(settings["device"])
+    pass_call(settings, impl, mode, length)()
+    synchronize(settings["device"])
+    return {"peak_mb": memory.peak_mb()}
+
+
+def measure_times(settings, impls, mode, length):
+    """Every implementation of one (mode, length), in one process, timed in turns (interleaved):
+    {impl: {ms, min_row_s}}, ms per call (decode: per token), the median of the timed calls."""
+    set_threads(settings["threads"])
+    if mode == "decode":
+        calls = {impl: decode_call(settings, impl, length)[0] for impl in impls}
+        repeats = settings["decode_steps"]
+    else:
+        calls = {impl: pass_call(settings, impl, mode, length) for impl in impls}
+        repeats = settings["repeats"]
+    times = time_interleaved(calls, settings["warmup"], repeats, settings["device"], settings["max_row_s"])
     return {
-        "ms": ms,
-        "peak_mb": memory.peak_mb(),
-        "prefill_ms": None if impl == "dense" else 1000 * prefill_s,
-        "prefill_peak_mb": prefill_peak_mb,
-        "kv_cache_mb": kv_bytes / 2**20,
-        "min_row_s": prefill_s + (settings["warmup"] + settings["decode_steps"]) * ms / 1000,
+        impl: {"ms": median_ms(seconds), "min_row_s": (settings["warmup"] + 1) * statistics.median(seconds)}
+        for impl, seconds in times.items()
     }
 
 
-def planned_rows(args):
-    rows = []
+def planned_groups(args):
+    """(mode, length) pairs in the order they run; each times every implementation together."""
+    groups = []
     for mode in args.modes:
         lengths = sorted(args.decode_lengths if mode == "decode" else args.lengths)
         if mode == "fwd_bwd":
@@ -211,8 +243,8 @@ def planned_rows(args):
             if dropped:
                 print(f"fwd_bwd only up to --max_bwd_len {args.max_bwd_len}: not run at {dropped}")
             lengths = [length for length in lengths if length <= args.max_bwd_len]
-        rows += [(impl, mode, length) for impl in args.impls for length in lengths]
-    return rows
+        groups += [(mode, length) for length in lengths]
+    return groups
 
 
 def add_ratios(rows):
@@ -235,29 +267,48 @@ def plot(rows, png_path, title):
 
 def main(argv=None):
     args = parse_args(argv)
+    apply_allocator(args.allocator)
     settings = vars(args)
     rows, skipped, failures = [], [], 0
     time_estimates, memory_estimates = Extrapolator(), Extrapolator()
-    for impl, mode, length in planned_rows(args):
-        series = (impl, mode)
-        reason = skip_reason(time_estimates.predict(series, length), args.max_row_s,
-                             memory_estimates.predict(series, length), args.mem_limit_gb)
-        if reason is None:
-            measure = measure_decode if mode == "decode" else measure_pass
-            try:
-                result = run_in_fresh_process(measure, settings, impl, mode, length)
-            except RowFailed as error:
-                print(str(error), file=sys.stderr)
-                reason = "failed: " + str(error).strip().splitlines()[-1]
-                failures += 1
-        if reason is not None:
-            print(f"skipped {impl:9s} {mode:7s} {length:7d}: {reason}", flush=True)
-            skipped.append({"impl": impl, "mode": mode, "seq_len": length, "reason": reason})
+
+    def skip(impl, mode, length, reason):
+        print(f"skipped {impl:9s} {mode:7s} {length:7d}: {reason}", flush=True)
+        skipped.append({"impl": impl, "mode": mode, "seq_len": length, "reason": reason})
+
+    for mode, length in planned_groups(args):
+        memory = {}
+        for impl in args.impls:
+            series = (impl, mode)
+            reason = skip_reason(time_estimates.predict(series, length), args.max_row_s,
+                                 memory_estimates.predict(series, length), args.mem_limit_gb)
+            if reason is None:
+                try:
+                    memory[impl] = run_in_fresh_process(measure_memory, settings, impl, mode, length)
+                except RowFailed as error:
+                    print(str(error), file=sys.stderr)
+                    reason = "failed: " + str(error).strip().splitlines()[-1]
+                    failures += 1
+            if reason is not None:
+                skip(impl, mode, length, reason)
+        if not memory:
             continue
-        time_estimates.add(series, length, result.pop("min_row_s"))
-        memory_estimates.add(series, length, max(result["peak_mb"], 1.0))
-        rows.append({"impl": impl, "mode": mode, "seq_len": length, **result})
-        print(f"{impl:9s} {mode:7s} {length:7d}: {result['ms']:10.3f} ms  {result['peak_mb']:9.1f} MB", flush=True)
+        try:
+            times = run_in_fresh_process(measure_times, settings, list(memory), mode, length)
+        except RowFailed as error:
+            print(str(error), file=sys.stderr)
+            failures += 1
+            for impl in memory:
+                skip(impl, mode, length, "failed: " + str(error).strip().splitlines()[-1])
+            continue
+        for impl, result in memory.items():
+            # a row's cost for the extrapolation: its timed calls, and a decode row's prefill
+            row_s = times[impl].pop("min_row_s") + (result.get("prefill_ms") or 0) / 1000
+            time_estimates.add((impl, mode), length, row_s)
+            memory_estimates.add((impl, mode), length, max(result["peak_mb"], 1.0))
+            rows.append({"impl": impl, "mode": mode, "seq_len": length, **times[impl], **result})
+            print(f"{impl:9s} {mode:7s} {length:7d}: {times[impl]['ms']:10.3f} ms  {result['peak_mb']:9.1f} MB",
+                  flush=True)
 
     rows.sort(key=lambda row: (MODES.index(row["mode"]), row["seq_len"], IMPLS.index(row["impl"])))
     add_ratios(rows)

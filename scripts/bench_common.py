@@ -1,8 +1,14 @@
 """What the bench_*.py scripts share: threads, timing, peak memory, isolated rows, tables, JSON, plots.
 
-Timing. `time_calls` runs warm-up calls (allocator, thread pools and lazy inits settle), then timed
-calls until `repeats` are done or the row's time budget is spent (at least one timed call); the
-result is the median, with the device synchronised around every call.
+Timing. `time_interleaved` runs each implementation's warm-up calls (allocator, thread pools and
+lazy inits settle), then rounds of one timed call per implementation, until `repeats` rounds are
+done or an implementation's time budget is spent (at least one timed call each); the result is
+the median, with the device synchronised around every call. Taking turns call by call matters
+here: this machine's speed drifts by up to 1.7x within minutes, and rows timed one after the
+other gave ratios that moved with it.
+
+Allocator. The scripts run with freed memory kept in the process (`--allocator retain`, as the
+trainers do: model/cpu_memory.py) or with the C library's defaults (`--allocator system`).
 
 Peak memory. On CPU a row runs in a fresh process forked from the script's parent, which has
 only imported the libraries (`run_in_fresh_process`); peak_mb is the growth of the process's
@@ -25,6 +31,22 @@ from pathlib import Path
 import faiss
 import torch
 
+from model.cpu_memory import retain_freed_memory
+
+
+def add_allocator_flag(parser):
+    parser.add_argument(
+        "--allocator", choices=("retain", "system"), default="retain",
+        help="retain: freed memory stays in the process for reuse, as in the trainers (model/cpu_memory.py); "
+        "system: the C library's defaults",
+    )
+
+
+def apply_allocator(choice):
+    """Set the C allocator for this process and the rows it forks (before any row runs)."""
+    if choice == "retain" and not retain_freed_memory():
+        print("--allocator retain: no glibc mallopt here, the system allocator stays", file=sys.stderr)
+
 
 def set_threads(threads):
     """The same thread count for torch and FAISS, so exact and HNSW retrieval compete fairly."""
@@ -37,19 +59,36 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def time_interleaved(calls, warmup, repeats, device, budget_s=math.inf):
+    """{name: fn} -> {name: seconds of each timed call}: the calls take turns.
+
+    Every fn runs `warmup` untimed times first, then rounds of one timed call each, in an order that
+    rotates by one every round, so that a machine whose speed drifts (it does here, by up to 1.7x
+    within minutes) slows every implementation alike and their ratio holds. A name leaves the rounds
+    once its timed calls have used budget_s (after at least one), or after `repeats` calls.
+    """
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    names = list(calls)
+    times = {name: [] for name in names}
+    for round_index in range(max(1, repeats)):
+        shift = round_index % len(names)
+        active = [name for name in names[shift:] + names[:shift] if not times[name] or sum(times[name]) < budget_s]
+        if not active:
+            break
+        for name in active:
+            begin = time.perf_counter()
+            calls[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
 def time_calls(fn, warmup, repeats, device, budget_s=math.inf):
     """Seconds of each timed call of fn(): warmup untimed calls first, then up to `repeats` timed ones."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    started = time.perf_counter()
-    while len(times) < max(1, repeats) and (not times or time.perf_counter() - started < budget_s):
-        begin = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - begin)
-    return times
+    return time_interleaved({"call": fn}, warmup, repeats, device, budget_s)["call"]
 
 
 def median_ms(seconds):

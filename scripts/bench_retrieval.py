@@ -36,6 +36,8 @@ from model.ann_attention import block_summaries, selection_queries
 from model.config import MiniMindConfig
 from model.retrieval import HnswRetriever, exact_select
 from scripts.bench_common import (
+    add_allocator_flag,
+    apply_allocator,
     format_table,
     machine_info,
     median_ms,
@@ -71,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--model_chunk", type=int, default=2048, help="tokens per prefill call")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    add_allocator_flag(p)
     p.add_argument("--json", default="docs/bench/retrieval.json")
     p.add_argument("--png", default=None, help="default: the --json path with .png")
     return p.parse_args(argv)
@@ -234,6 +237,7 @@ def recommend_threshold(rows, decode_crossover, ef_search, min_recall):
 
 def main(argv=None):
     args = parse_args(argv)
+    apply_allocator(args.allocator)
     set_threads(args.threads)
     blocks = sorted(args.blocks)
     num_queries = args.decode_queries + args.prefill_queries

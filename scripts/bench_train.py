@@ -4,8 +4,9 @@ One step = forward + backward + AdamW step (trainer/trainer_utils.py's optimizer
 ids; every implementation sees the same ids. The batch size is --tokens_per_step / seq_len, so a
 step holds the same number of tokens at every length and tokens/s compares directly. Reported:
 the median over --steps timed steps after --warmup untimed ones, and the peak memory of the
-whole row (model, optimizer state, activations; see scripts/bench_common.py), each row in a
-fresh process.
+row (model, optimizer state, activations; see scripts/bench_common.py), measured in a fresh
+process per row; the implementations of one length are then timed in one fresh process, their
+steps taking turns, so that their ratio is not at the mercy of the machine's drift.
 
     python scripts/bench_train.py --json docs/bench/train_cpu.json
     python scripts/bench_train.py --device cuda --dtype bfloat16 --preset small --json docs/bench/train_cuda.json
@@ -27,6 +28,8 @@ from scripts.bench_common import (
     Extrapolator,
     PeakMemory,
     RowFailed,
+    add_allocator_flag,
+    apply_allocator,
     format_table,
     machine_info,
     median_ms,
@@ -35,7 +38,8 @@ from scripts.bench_common import (
     run_in_fresh_process,
     set_threads,
     skip_reason,
-    time_calls,
+    synchronize,
+    time_interleaved,
     write_json,
 )
 from trainer.trainer_utils import build_optimizer
@@ -56,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="bfloat16: autocast")
     p.add_argument("--max_row_s", type=float, default=120.0, help="skip rows estimated to take longer")
     p.add_argument("--seed", type=int, default=0)
+    add_allocator_flag(p)
     p.add_argument("--json", default="docs/bench/train.json")
     p.add_argument("--png", default=None, help="default: the --json path with .png")
     args = p.parse_args(argv)
@@ -65,11 +70,9 @@ def parse_args(argv=None):
     return args
 
 
-def measure_training(settings, impl, length):
-    """One row, in its own process: {tokens_per_s, step_ms, peak_mb, batch, min_row_s}."""
-    set_threads(settings["threads"])
+def training_step(settings, impl, length):
+    """One implementation's model, optimizer and data -> (a call that runs the next optimizer step, batch)."""
     device = settings["device"]
-    memory = PeakMemory(device)
     torch.manual_seed(settings["seed"])
     config = MiniMindConfig.from_preset(
         settings["preset"],
@@ -91,7 +94,7 @@ def measure_training(settings, impl, length):
     step_index = [0]
 
     def step():
-        input_ids = data[step_index[0]]
+        input_ids = data[step_index[0] % total_steps]
         with autocast:
             loss = model(input_ids, labels=input_ids).loss
         loss.backward()
@@ -99,40 +102,77 @@ def measure_training(settings, impl, length):
         optimizer.zero_grad(set_to_none=True)
         step_index[0] += 1
 
-    times = time_calls(step, settings["warmup"], settings["steps"], device, settings["max_row_s"])
-    step_ms = median_ms(times)
-    return {
-        "batch": batch,
-        "tokens_per_s": batch * length / (step_ms / 1000),
-        "step_ms": step_ms,
-        "peak_mb": memory.peak_mb(),
-        "min_row_s": (settings["warmup"] + 1) * step_ms / 1000,
-    }
+    return step, batch
+
+
+def measure_memory(settings, impl, length):
+    """One row's peak memory (model, optimizer state, activations), in its own process: two
+    steps, the first of which creates AdamW's state."""
+    set_threads(settings["threads"])
+    memory = PeakMemory(settings["device"])
+    step, batch = training_step(settings, impl, length)
+    for _ in range(2):
+        step()
+    synchronize(settings["device"])
+    return {"batch": batch, "peak_mb": memory.peak_mb()}
+
+
+def measure_times(settings, impls, length):
+    """Every implementation at one length, in one process, their optimizer steps taking turns:
+    {impl: {tokens_per_s, step_ms, min_row_s}} from the median step."""
+    set_threads(settings["threads"])
+    steps = {impl: training_step(settings, impl, length)[0] for impl in impls}
+    times = time_interleaved(steps, settings["warmup"], settings["steps"], settings["device"], settings["max_row_s"])
+    results = {}
+    for impl, seconds in times.items():
+        step_ms = median_ms(seconds)
+        results[impl] = {
+            "tokens_per_s": settings["tokens_per_step"] / (step_ms / 1000),
+            "step_ms": step_ms,
+            "min_row_s": (settings["warmup"] + 1) * step_ms / 1000,
+        }
+    return results
 
 
 def main(argv=None):
     args = parse_args(argv)
+    apply_allocator(args.allocator)
     settings = vars(args)
     rows, skipped, failures = [], [], 0
     # Tokens per step are fixed, so a step's cost grows at most linearly with seq_len.
     time_estimates = Extrapolator(min_exponent=0.0, max_exponent=1.0)
-    for impl in args.impls:
-        for length in sorted(args.lengths):
+
+    def skip(impl, length, reason):
+        print(f"skipped {impl:9s} {length:6d}: {reason}", flush=True)
+        skipped.append({"impl": impl, "seq_len": length, "reason": reason})
+
+    for length in sorted(args.lengths):
+        memory = {}
+        for impl in args.impls:
             reason = skip_reason(time_estimates.predict(impl, length), args.max_row_s)
             if reason is None:
                 try:
-                    result = run_in_fresh_process(measure_training, settings, impl, length)
+                    memory[impl] = run_in_fresh_process(measure_memory, settings, impl, length)
                 except RowFailed as error:
                     print(str(error), file=sys.stderr)
                     reason = "failed: " + str(error).strip().splitlines()[-1]
                     failures += 1
             if reason is not None:
-                print(f"skipped {impl:9s} {length:6d}: {reason}", flush=True)
-                skipped.append({"impl": impl, "seq_len": length, "reason": reason})
-                continue
-            time_estimates.add(impl, length, result.pop("min_row_s"))
-            rows.append({"impl": impl, "seq_len": length, **result})
-            print(f"{impl:9s} {length:6d}: {result['tokens_per_s']:9.0f} tokens/s  {result['peak_mb']:8.1f} MB",
+                skip(impl, length, reason)
+        if not memory:
+            continue
+        try:
+            times = run_in_fresh_process(measure_times, settings, list(memory), length)
+        except RowFailed as error:
+            print(str(error), file=sys.stderr)
+            failures += 1
+            for impl in memory:
+                skip(impl, length, "failed: " + str(error).strip().splitlines()[-1])
+            continue
+        for impl, result in memory.items():
+            time_estimates.add(impl, length, times[impl].pop("min_row_s"))
+            rows.append({"impl": impl, "seq_len": length, **result, **times[impl]})
+            print(f"{impl:9s} {length:6d}: {times[impl]['tokens_per_s']:9.0f} tokens/s  {result['peak_mb']:8.1f} MB",
                   flush=True)
 
     rows.sort(key=lambda row: (row["seq_len"], IMPLS.index(row["impl"])))

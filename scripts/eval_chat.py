@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from model.config import ATTN_IMPLS, RETRIEVERS, MiniMindConfig
+from model.cpu_memory import retain_freed_memory
 from model.model import MiniMindForCausalLM, check_sampling
 from scripts.make_sample_data import preset_prompts
 
@@ -317,6 +318,7 @@ def run_chat(session):
 
 def main(argv=None):
     transformers_logging.disable_progress_bar()  # the weight-loading bar would only clutter the chat
+    retain_freed_memory()
     try:
         args = parse_args(argv)
         validate_args(args)

@@ -116,6 +116,15 @@ def random_qkv(batch, heads, kv_heads, length, head_dim=8, dtype=torch.float64, 
     return [x.requires_grad_() for x in (q, k, v)]
 
 
+def assert_same_outputs_and_gradients(out, expected, inputs):
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad((out * upstream).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), inputs)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-10, rtol=1e-10)
+
+
 BLOCK = 8
 GRID = list(
     itertools.product(
@@ -147,12 +156,21 @@ def test_matches_reference_outputs_and_gradients(path, length, window_block, top
     q, k, v = random_qkv(batch, num_heads, kv_heads, length, seed=length + top_n)
     out = run(core, q, k, v)
     expected = reference_attention(q, k, v, window, block_size, top_n, block_position, summary)
-    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
-    upstream = torch.randn_like(out)
-    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
-    expected_grads = torch.autograd.grad((expected * upstream).sum(), (q, k, v))
-    for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, atol=1e-10, rtol=1e-10)
+    assert_same_outputs_and_gradients(out, expected, (q, k, v))
+
+
+@pytest.mark.parametrize("window,length", [(24, 200), (24, 72), (96, 300), (96, 50)])
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+def test_tiles_when_the_window_does_not_divide_the_tile(monkeypatch, window, length, block_position):
+    """Tiles round up to whole windows (24 -> tiles of 72 for QUERY_TILE 64) or, with a window
+    longer than a tile (96), hold one chunk; outputs and gradients still follow the definition."""
+    monkeypatch.setattr(ann_attention, "MASKED_SDPA_MAX_LEN", 0)
+    monkeypatch.setattr(ann_attention, "QUERY_TILE", 64)
+    core = make_core(4, 2, window, 8, 3, block_position=block_position)
+    q, k, v = random_qkv(2, 4, 2, length, seed=window + length)
+    out = run(core, q, k, v)
+    expected = reference_attention(q, k, v, window, 8, 3, block_position)
+    assert_same_outputs_and_gradients(out, expected, (q, k, v))
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])

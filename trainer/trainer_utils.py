@@ -39,6 +39,7 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import DataFormatError, resolve_data_path
 from model.config import MiniMindConfig
+from model.cpu_memory import retain_freed_memory
 from model.model import MiniMindForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -638,6 +639,7 @@ def main(stage, argv=None):
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    retain_freed_memory()
     rank, world_size, device = setup_distributed(args.device)
     try:
         train(stage, args, config, rank, world_size, device)
