@@ -10,7 +10,7 @@
 #   ATTNS=ann bash scripts/train_long_context.sh                # the ANN model only (~27 min + evaluation)
 #   TRAIN_MINUTES=1 STEPS=60 EVAL_LENGTHS="256 1024" bash scripts/train_long_context.sh   # smoke run
 #
-# Settings (environment): ATTNS ("ann dense"), TRAIN_MINUTES (27 per model), STEPS (3300: the cosine
+# Settings (environment): ATTNS ("ann dense"), TRAIN_MINUTES (27 per model), STEPS (4600: the cosine
 # schedule's length; the minutes stop training first if the machine is slower), SEED (42),
 # THREADS (2), EVAL_LENGTHS ("512 4096 16384"), EVAL_TRIALS (5 depths per length), OUT (out).
 set -euo pipefail
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 
 ATTNS=${ATTNS:-"ann dense"}
 TRAIN_MINUTES=${TRAIN_MINUTES:-27}
-STEPS=${STEPS:-3300}
+STEPS=${STEPS:-4600}
 SEED=${SEED:-42}
 THREADS=${THREADS:-2}
 EVAL_LENGTHS=${EVAL_LENGTHS:-"512 4096 16384"}
