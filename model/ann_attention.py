@@ -321,6 +321,7 @@ class AnnAttention:
         value_table, _ = block_table(values, self.block_size)
         far_rope = self.far_rope(rope)  # cos/sin once per call, sliced per tile
         scale = 1.0 / math.sqrt(d)
+        grouped_shape = (b, self.kv_heads, h // self.kv_heads, -1, d)
 
         def plan(tile_begin, q_tile, slab):
             """One tile's queries in both frames, padded to whole chunks, and its selected blocks."""
@@ -357,7 +358,6 @@ class AnnAttention:
                 key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device)
                 older_than_window = key_positions <= (positions - window)[:, None, :, None, None]
                 block_visible = (valid[..., None] & older_than_window).flatten(-2)
-            grouped_shape = (b, self.kv_heads, h // self.kv_heads, -1, d)
             out = attend_tile(
                 window_q.view(grouped_shape).transpose(2, 3),
                 block_q.view(grouped_shape).transpose(2, 3),

@@ -25,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -38,15 +39,14 @@ from model.model import DenseAttention, Rope
 from scripts.bench_common import (
     Extrapolator,
     PeakMemory,
-    RowFailed,
     add_allocator_flag,
     apply_allocator,
     format_table,
     machine_info,
+    measure_group,
     median_ms,
     plot_panels,
     png_path_for,
-    run_in_fresh_process,
     set_threads,
     skip_reason,
     synchronize,
@@ -201,7 +201,7 @@ def decode_call(settings, impl, length):
     return call, memory, info
 
 
-def measure_memory(settings, impl, mode, length):
+def measure_memory(settings, impl, *, mode, length):
     """One row's memory, in its own process: {peak_mb} (decode: plus the prefill's time and peak
     and the size of the keys and values). See scripts/bench_common.py for what peak_mb counts."""
     set_threads(settings["threads"])
@@ -216,7 +216,7 @@ def measure_memory(settings, impl, mode, length):
     return {"peak_mb": memory.peak_mb()}
 
 
-def measure_times(settings, impls, mode, length):
+def measure_times(settings, impls, *, mode, length):
     """Every implementation of one (mode, length), in one process, timed in turns (interleaved):
     {impl: {ms, min_row_s}}, ms per call (decode: per token), the median of the timed calls."""
     set_threads(settings["threads"])
@@ -279,38 +279,22 @@ def main(argv=None):
         skipped.append({"impl": impl, "mode": mode, "seq_len": length, "reason": reason})
 
     for mode, length in planned_groups(args):
-        memory = {}
-        for impl in args.impls:
-            series = (impl, mode)
-            reason = skip_reason(time_estimates.predict(series, length), args.max_row_s,
-                                 memory_estimates[mode].predict(series, length), args.mem_limit_gb)
-            if reason is None:
-                try:
-                    memory[impl] = run_in_fresh_process(measure_memory, settings, impl, mode, length)
-                except RowFailed as error:
-                    print(str(error), file=sys.stderr)
-                    reason = "failed: " + str(error).strip().splitlines()[-1]
-                    failures += 1
-            if reason is not None:
-                skip(impl, mode, length, reason)
-        if not memory:
-            continue
-        try:
-            times = run_in_fresh_process(measure_times, settings, list(memory), mode, length)
-        except RowFailed as error:
-            print(str(error), file=sys.stderr)
-            failures += 1
-            for impl in memory:
-                skip(impl, mode, length, "failed: " + str(error).strip().splitlines()[-1])
-            continue
-        for impl, result in memory.items():
+        results, failed = measure_group(
+            args.impls,
+            lambda impl: skip_reason(time_estimates.predict((impl, mode), length), args.max_row_s,
+                                     memory_estimates[mode].predict((impl, mode), length), args.mem_limit_gb),
+            partial(measure_memory, settings, mode=mode, length=length),
+            partial(measure_times, settings, mode=mode, length=length),
+            lambda impl, reason: skip(impl, mode, length, reason),
+        )
+        failures += failed
+        for impl, (memory, times) in results.items():
             # a row's cost for the extrapolation: its timed calls, and a decode row's prefill
-            row_s = times[impl].pop("min_row_s") + (result.get("prefill_ms") or 0) / 1000
+            row_s = times.pop("min_row_s") + (memory.get("prefill_ms") or 0) / 1000
             time_estimates.add((impl, mode), length, row_s)
-            memory_estimates[mode].add((impl, mode), length, max(result["peak_mb"], 1.0))
-            rows.append({"impl": impl, "mode": mode, "seq_len": length, **times[impl], **result})
-            print(f"{impl:9s} {mode:7s} {length:7d}: {times[impl]['ms']:10.3f} ms  {result['peak_mb']:9.1f} MB",
-                  flush=True)
+            memory_estimates[mode].add((impl, mode), length, max(memory["peak_mb"], 1.0))
+            rows.append({"impl": impl, "mode": mode, "seq_len": length, **times, **memory})
+            print(f"{impl:9s} {mode:7s} {length:7d}: {times['ms']:10.3f} ms  {memory['peak_mb']:9.1f} MB", flush=True)
 
     rows.sort(key=lambda row: (MODES.index(row["mode"]), row["seq_len"], IMPLS.index(row["impl"])))
     add_ratios(rows)

@@ -171,6 +171,41 @@ def run_in_fresh_process(fn, *args):
     raise RowFailed(payload)
 
 
+def measure_group(impls, reason_to_skip, measure_memory, measure_times, skip):
+    """One group of rows that share a mode and length: each implementation's memory in a fresh
+    process of its own, then all of them timed together (interleaved) in one more.
+
+    reason_to_skip(impl) -> a reason or None; measure_memory(impl) -> dict and
+    measure_times(impls) -> {impl: dict} run in the fresh processes; skip(impl, reason) records a
+    row that did not run. Returns ({impl: (memory result, time result)}, failed processes).
+    """
+    memory, failures = {}, 0
+
+    def failed(error):
+        print(str(error), file=sys.stderr)
+        return "failed: " + str(error).strip().splitlines()[-1]
+
+    for impl in impls:
+        reason = reason_to_skip(impl)
+        if reason is None:
+            try:
+                memory[impl] = run_in_fresh_process(measure_memory, impl)
+            except RowFailed as error:
+                reason, failures = failed(error), failures + 1
+        if reason is not None:
+            skip(impl, reason)
+    if not memory:
+        return {}, failures
+    try:
+        times = run_in_fresh_process(measure_times, list(memory))
+    except RowFailed as error:
+        reason = failed(error)
+        for impl in memory:
+            skip(impl, reason)
+        return {}, failures + 1
+    return {impl: (result, times[impl]) for impl, result in memory.items()}, failures
+
+
 class Extrapolator:
     """Predicts a row's cost at a longer length from the rows already measured in its series.
 

@@ -15,6 +15,7 @@ steps taking turns, so that their ratio is not at the mercy of the machine's dri
 import argparse
 import contextlib
 import sys
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -27,15 +28,14 @@ from model.model import MiniMindForCausalLM
 from scripts.bench_common import (
     Extrapolator,
     PeakMemory,
-    RowFailed,
     add_allocator_flag,
     apply_allocator,
     format_table,
     machine_info,
+    measure_group,
     median_ms,
     plot_panels,
     png_path_for,
-    run_in_fresh_process,
     set_threads,
     skip_reason,
     synchronize,
@@ -105,7 +105,7 @@ def training_step(settings, impl, length):
     return step, batch
 
 
-def measure_memory(settings, impl, length):
+def measure_memory(settings, impl, *, length):
     """One row's peak memory (model, optimizer state, activations), in its own process: two
     steps, the first of which creates AdamW's state."""
     set_threads(settings["threads"])
@@ -117,7 +117,7 @@ def measure_memory(settings, impl, length):
     return {"batch": batch, "peak_mb": memory.peak_mb()}
 
 
-def measure_times(settings, impls, length):
+def measure_times(settings, impls, *, length):
     """Every implementation at one length, in one process, their optimizer steps taking turns:
     {impl: {tokens_per_s, step_ms, min_row_s}} from the median step."""
     set_threads(settings["threads"])
@@ -147,32 +147,18 @@ def main(argv=None):
         skipped.append({"impl": impl, "seq_len": length, "reason": reason})
 
     for length in sorted(args.lengths):
-        memory = {}
-        for impl in args.impls:
-            reason = skip_reason(time_estimates.predict(impl, length), args.max_row_s)
-            if reason is None:
-                try:
-                    memory[impl] = run_in_fresh_process(measure_memory, settings, impl, length)
-                except RowFailed as error:
-                    print(str(error), file=sys.stderr)
-                    reason = "failed: " + str(error).strip().splitlines()[-1]
-                    failures += 1
-            if reason is not None:
-                skip(impl, length, reason)
-        if not memory:
-            continue
-        try:
-            times = run_in_fresh_process(measure_times, settings, list(memory), length)
-        except RowFailed as error:
-            print(str(error), file=sys.stderr)
-            failures += 1
-            for impl in memory:
-                skip(impl, length, "failed: " + str(error).strip().splitlines()[-1])
-            continue
-        for impl, result in memory.items():
-            time_estimates.add(impl, length, times[impl].pop("min_row_s"))
-            rows.append({"impl": impl, "seq_len": length, **result, **times[impl]})
-            print(f"{impl:9s} {length:6d}: {times[impl]['tokens_per_s']:9.0f} tokens/s  {result['peak_mb']:8.1f} MB",
+        results, failed = measure_group(
+            args.impls,
+            lambda impl: skip_reason(time_estimates.predict(impl, length), args.max_row_s),
+            partial(measure_memory, settings, length=length),
+            partial(measure_times, settings, length=length),
+            lambda impl, reason: skip(impl, length, reason),
+        )
+        failures += failed
+        for impl, (memory, times) in results.items():
+            time_estimates.add(impl, length, times.pop("min_row_s"))
+            rows.append({"impl": impl, "seq_len": length, **memory, **times})
+            print(f"{impl:9s} {length:6d}: {times['tokens_per_s']:9.0f} tokens/s  {memory['peak_mb']:8.1f} MB",
                   flush=True)
 
     rows.sort(key=lambda row: (row["seq_len"], IMPLS.index(row["impl"])))
