@@ -13,6 +13,7 @@ ATTN_IMPLS = ("dense", "ann")
 RETRIEVERS = ("exact", "hnsw", "auto")
 BLOCK_POSITIONS = ("capped", "true")
 BLOCK_SUMMARIES = ("bounds", "mean")
+MAX_TOKEN_SHIFT = 2  # key_shift / query_shift: how many previous tokens a key / query may mix in
 
 # hidden, layers, query heads, kv heads. "tiny" is what the offline CPU demo trains in minutes;
 # "small" and "base" are minimind2's 26M and 104M models.
@@ -38,7 +39,8 @@ class MiniMindConfig(PretrainedConfig):
         rope_theta=1e6,
         rms_norm_eps=1e-5,
         dropout=0.0,
-        key_shift=False,
+        key_shift=0,
+        query_shift=0,
         attn_impl="dense",
         ann_window=64,
         ann_block_size=16,
@@ -67,7 +69,9 @@ class MiniMindConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.dropout = dropout
-        self.key_shift = key_shift
+        # Configs saved when key_shift was a switch hold true/false: one previous token or none.
+        self.key_shift = int(key_shift) if isinstance(key_shift, bool) else key_shift
+        self.query_shift = int(query_shift) if isinstance(query_shift, bool) else query_shift
         self.attn_impl = attn_impl
         self.ann_window = ann_window
         self.ann_block_size = ann_block_size
@@ -158,8 +162,12 @@ class MiniMindConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name} must be a non-negative integer, got {value!r}")
-        if not isinstance(self.key_shift, bool):
-            problems.append(f"key_shift must be true or false, got {self.key_shift!r}")
+        for name in ("key_shift", "query_shift"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:
+                problems.append(
+                    f"{name} must be an integer in 0..{MAX_TOKEN_SHIFT} (previous tokens mixed in), got {value!r}"
+                )
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
         if problems:

@@ -111,7 +111,7 @@ class KVBuffer:
     def __init__(self, reserve=0, granularity=1):
         self.k = None
         self.v = None
-        self.last_input = None  # (b, 1, hidden): each row's last real token's attention input, for key_shift
+        self.last_inputs = None  # (b, n, hidden): each row's last n real tokens' attention inputs, for token shift
         self.reserve = reserve
         self.granularity = granularity
 
@@ -198,34 +198,46 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        # Smeared keys (Olsson et al., 2022): a key also sees its previous token, so one layer can
-        # match "the token after X" and copying circuits form in hundreds of steps, not thousands.
-        self.k_shift = nn.Parameter(torch.zeros(config.hidden_size)) if config.key_shift else None
+        # Token shift (smeared keys, Olsson et al., 2022): a key also reads its key_shift previous
+        # tokens (a query its query_shift previous tokens) with learned per-channel weights, zero at
+        # the start, so one layer can match "the token after X" (after "X Y" with two) and copying
+        # circuits form in hundreds of steps instead of needing a previous-token head to compose with.
+        self.k_shift = nn.Parameter(torch.zeros(config.key_shift, config.hidden_size)) if config.key_shift else None
+        self.q_shift = nn.Parameter(torch.zeros(config.query_shift, config.hidden_size)) if config.query_shift else None
+        self.num_shifted = max(config.key_shift, config.query_shift)
         self.core = build_attention_core(config)
 
     def forward(self, x, rope, starts, ends, layer_cache):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        key_input = x if self.k_shift is None else x + self.k_shift * previous_inputs(x, starts, ends, layer_cache)
+        previous = previous_inputs(x, starts, ends, layer_cache, self.num_shifted) if self.num_shifted else None
+        query_input, key_input = with_previous(x, self.q_shift, previous), with_previous(x, self.k_shift, previous)
+        q = self.q_proj(query_input).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key_input).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = self.core(q, k, v, starts, ends, layer_cache, rope)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def previous_inputs(x, starts, ends, layer_cache):
-    """x (b, s, c) -> the input of each token's previous token (b, s, c); zeros before position 0.
+def previous_inputs(x, starts, ends, layer_cache, count):
+    """x (b, s, c) -> [each token's j-th previous token's input (b, s, c), j = 1 .. count]; zeros before position 0.
 
-    With a cache, the first new token's previous input is the one the cache kept from the last
-    call, and this call's last real token (at ends - starts - 1) is kept for the next.
+    With a cache, the first new tokens' previous inputs are the ones the cache kept from the last
+    call, and this call's last `count` real tokens (ending at ends - starts - 1) are kept for the next.
     """
     b, s, c = x.shape
-    carried = None if layer_cache is None else layer_cache.last_input
-    previous = torch.cat([x.new_zeros(b, 1, c) if carried is None else carried, x[:, :-1]], dim=1)
+    carried = None if layer_cache is None else layer_cache.last_inputs
+    history = torch.cat([x.new_zeros(b, count, c) if carried is None else carried, x], dim=1)  # (b, count + s, c)
     if layer_cache is not None:
-        last = (ends - starts - 1).clamp(min=0).view(b, 1, 1).expand(b, 1, c)
-        layer_cache.last_input = x.gather(1, last)
-    return previous
+        kept = ((ends - starts)[:, None] + torch.arange(count, device=x.device)).view(b, count, 1).expand(b, count, c)
+        layer_cache.last_inputs = history.gather(1, kept)
+    return [history[:, count - j : count - j + s] for j in range(1, count + 1)]
+
+
+def with_previous(x, weights, previous):
+    """x (b, s, c) plus weights[j] (c,) times the (j+1)-th previous input, for each row j of weights (n, c)."""
+    if weights is None:
+        return x
+    return x + sum(weight * earlier for weight, earlier in zip(weights, previous))
 
 
 class MLP(nn.Module):

@@ -134,6 +134,13 @@ def parse_answer(text):
     return int(match.group()) if match else None
 
 
+def digits_right(key, text):
+    """How many of the key's digits the answer (its first integer) has at the same place: tells a
+    model that misses one digit from one that retrieves nothing."""
+    answer = parse_answer(text)
+    return 0 if answer is None else sum(a == b for a, b in zip(str(key), str(answer)))
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -184,22 +191,24 @@ def evaluate(model, tokenizer, lengths, depths, args):
                   f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, total {total_s:.2f}s", flush=True)
             rows.append({
                 "length": length, "depth": depth, "attn": config.attn_impl, "retrieval": retrieval,
-                "accuracy": float(correct), "trials": 1, "prompt_tokens": len(prompt_ids),
+                "accuracy": float(correct), "trials": 1, "key": key, "answer": text,
+                "digits_right": digits_right(key, text), "prompt_tokens": len(prompt_ids),
                 "prefill_seconds": round(prefill_s, 4), "seconds_per_trial": round(total_s, 4),
             })
     return rows
 
 
 def print_table(rows):
-    """Accuracy per length, averaged over depths, with the seconds one trial took."""
-    print(f"\n{'length':>8} {'accuracy':>9} {'trials':>7} {'prefill s':>10} {'s/trial':>8}")
+    """Per length, averaged over depths: accuracy, the fraction of key digits in place, seconds per trial."""
+    print(f"\n{'length':>8} {'accuracy':>9} {'digits':>7} {'trials':>7} {'prefill s':>10} {'s/trial':>8}")
     for length in dict.fromkeys(row["length"] for row in rows):
         group = [row for row in rows if row["length"] == length]
         trials = sum(row["trials"] for row in group)
         accuracy = sum(row["accuracy"] * row["trials"] for row in group) / trials
+        digits = np.mean([row["digits_right"] / len(str(row["key"])) for row in group])
         prefill = np.mean([row["prefill_seconds"] for row in group])
         seconds = np.mean([row["seconds_per_trial"] for row in group])
-        print(f"{length:>8} {accuracy:>9.2f} {trials:>7} {prefill:>10.2f} {seconds:>8.2f}")
+        print(f"{length:>8} {accuracy:>9.2f} {digits:>7.2f} {trials:>7} {prefill:>10.2f} {seconds:>8.2f}")
     print(f"peak RSS {peak_rss_mb():.0f} MB")
 
 

@@ -345,13 +345,21 @@ def preset_prompts():
 # ---------------------------------------------------------------------------
 # Passkey retrieval documents (Landmark Attention format) for long-context training.
 
-def passkey_document(rng, num_fillers):
+def passkey_document(rng, num_fillers, num_questions=1):
+    """Intro, fillers, the key line at a random depth, more fillers, the question and its answer.
+
+    With num_questions > 1 the question (and answer) also comes earlier, at random points among
+    the fillers after the key line; the document still ends with it, as the evaluation's prompt does.
+    """
     key = rng.randint(10000, 99999)
     depth = rng.randint(0, num_fillers)
-    parts = ([PASSKEY_INTRO] + [PASSKEY_FILLER] * depth
-             + [PASSKEY_KEY_LINE.format(key=key)]
-             + [PASSKEY_FILLER] * (num_fillers - depth)
-             + [f"{PASSKEY_QUESTION} {key}."])
+    after_key = num_fillers - depth
+    earlier_questions = sorted(rng.randint(0, after_key) for _ in range(num_questions - 1))
+    parts = [PASSKEY_INTRO] + [PASSKEY_FILLER] * depth + [PASSKEY_KEY_LINE.format(key=key)]
+    fillers_so_far = 0
+    for at in earlier_questions + [after_key]:
+        parts += [PASSKEY_FILLER] * (at - fillers_so_far) + [f"{PASSKEY_QUESTION} {key}."]
+        fillers_so_far = at
     return " ".join(parts)
 
 
@@ -361,19 +369,25 @@ def make_passkey(rng, num_docs, min_fillers=4, max_fillers=31):
         yield {"text": passkey_document(rng, rng.randint(min_fillers, max_fillers))}
 
 
-def make_passkey_training(rng, num_docs, drill_fraction=0.4, max_fillers=10):
+def make_passkey_training(rng, num_docs, drill_fraction=0.4, max_fillers=10, max_questions=1):
     """The long-context recipe's data (scripts/train_long_context.sh): passkey documents of 0 ..
-    max_fillers fillers (~100-400 tokens), mixed with drills of 2-6 keys, each asked right away.
+    max_fillers fillers (~100-420 tokens) that ask for the key 1 .. max_questions times, mixed with
+    drills of 2-6 keys, each asked right away.
 
     A drill puts a copy target in every ~5th token, so the copying circuit forms in a few hundred
-    steps; the documents then teach fetching the key from beyond the window.
+    steps; the documents then teach fetching the key from beyond the window. Asking several times
+    multiplies the answers whose first digit must come from a retrieved block; in the measured runs
+    that made the first digit form and the later ones not (docs/LONG_CONTEXT.md), so the recipe asks once.
     """
     for _ in range(num_docs):
         if rng.random() < drill_fraction:
             keys = [rng.randint(10000, 99999) for _ in range(rng.randint(2, 6))]
             yield {"text": " ".join(f"{PASSKEY_KEY_LINE.format(key=key)} {PASSKEY_QUESTION} {key}." for key in keys)}
         else:
-            yield {"text": passkey_document(rng, rng.randint(0, max_fillers))}
+            num_fillers = rng.randint(0, max_fillers)
+            # No draw for the question count when it is fixed: the recipe's file stays what it was.
+            num_questions = rng.randint(1, max_questions) if max_questions > 1 else 1
+            yield {"text": passkey_document(rng, num_fillers, num_questions)}
 
 
 # ---------------------------------------------------------------------------
@@ -394,6 +408,10 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the number of generated documents")
     parser.add_argument("--passkey_training_docs", type=int, default=0,
                         help="also write passkey_train.jsonl with this many documents (the long-context recipe)")
+    parser.add_argument("--passkey_drill_fraction", type=float, default=0.4,
+                        help="passkey_train.jsonl: the share of drills (the rest are passkey documents)")
+    parser.add_argument("--passkey_max_questions", type=int, default=1,
+                        help="passkey_train.jsonl: each passkey document asks for its key 1 .. this many times")
     args = parser.parse_args()
 
     out_dir = Path(args.out_dir)
@@ -410,7 +428,8 @@ def main():
     write_jsonl(out_dir / "passkey_long.jsonl", make_passkey(rng_for("passkey"), count(1100)))
     if args.passkey_training_docs:
         write_jsonl(out_dir / "passkey_train.jsonl",
-                    make_passkey_training(rng_for("passkey_train"), args.passkey_training_docs))
+                    make_passkey_training(rng_for("passkey_train"), args.passkey_training_docs,
+                                          args.passkey_drill_fraction, max_questions=args.passkey_max_questions))
 
 
 if __name__ == "__main__":

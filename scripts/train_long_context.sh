@@ -12,7 +12,9 @@
 #
 # Settings (environment): ATTNS ("ann dense"), TRAIN_MINUTES (27 per model), STEPS (4600: the cosine
 # schedule's length; the minutes stop training first if the machine is slower), SEED (42),
-# THREADS (2), EVAL_LENGTHS ("512 4096 16384"), EVAL_TRIALS (5 depths per length), OUT (out).
+# THREADS (2), EVAL_LENGTHS ("512 4096 16384"), EVAL_TRIALS (5 depths per length), OUT (out),
+# DATA (dataset/sample/passkey_train.jsonl; another mix: make_sample_data.py --passkey_max_questions,
+# --passkey_drill_fraction, as in docs/LONG_CONTEXT.md's experiments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,9 +26,14 @@ THREADS=${THREADS:-2}
 EVAL_LENGTHS=${EVAL_LENGTHS:-"512 4096 16384"}
 EVAL_TRIALS=${EVAL_TRIALS:-5}
 OUT=${OUT:-out}
-DATA=dataset/sample/passkey_train.jsonl
+DEFAULT_DATA=dataset/sample/passkey_train.jsonl
+DATA=${DATA:-$DEFAULT_DATA}
 
-[ -f "$DATA" ] || python scripts/make_sample_data.py --out_dir dataset/sample --passkey_training_docs 40000
+# The default file is (re)written when missing or older than its generator, so it is never stale.
+if [ "$DATA" = "$DEFAULT_DATA" ] && [ ! "$DATA" -nt scripts/make_sample_data.py ]; then
+    python scripts/make_sample_data.py --out_dir dataset/sample --passkey_training_docs 40000
+fi
+[ -f "$DATA" ] || { echo "DATA $DATA: file not found" >&2; exit 2; }
 mkdir -p "$OUT"
 
 train() {  # $1: ann | dense. Everything but the attention is identical in the two runs.

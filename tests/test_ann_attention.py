@@ -8,7 +8,7 @@ import torch
 from model import MiniMindConfig, MiniMindForCausalLM
 from model import ann_attention
 from model.ann_attention import AnnAttention
-from model.model import Rope
+from model.model import KVBuffer, Rope, previous_inputs
 from model.retrieval import exact_select
 
 
@@ -276,17 +276,22 @@ def ann_model(retrieval="exact", **overrides):
     )
     settings.update(overrides)
     model = MiniMindForCausalLM(MiniMindConfig(**settings)).eval()
-    if model.config.key_shift:  # trained shifts are not zero; the test must see them act
-        for layer in model.model.layers:
-            torch.nn.init.normal_(layer.self_attn.k_shift)
+    for layer in model.model.layers:  # trained shifts are not zero; the test must see them act
+        for weights in (layer.self_attn.k_shift, layer.self_attn.q_shift):
+            if weights is not None:
+                torch.nn.init.normal_(weights)
     return model
 
 
-@pytest.mark.parametrize("key_shift", [False, True])
+# (key_shift, query_shift): none, the one-token smeared key, and two-token keys with one-token queries
+TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1)]
+
+
+@pytest.mark.parametrize("key_shift,query_shift", TOKEN_SHIFTS)
 @pytest.mark.parametrize("block_position", ["capped", "true"])
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
-def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, block_position, key_shift):
-    model = ann_model(retrieval, ann_block_position=block_position, key_shift=key_shift)
+def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, block_position, key_shift, query_shift):
+    model = ann_model(retrieval, ann_block_position=block_position, key_shift=key_shift, query_shift=query_shift)
     input_ids = torch.randint(3, 300, (2, 120))
     full = model(input_ids).logits
     cache = model.new_cache()
@@ -303,10 +308,10 @@ def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, block_
     assert torch.equal(greedy, reference)
 
 
-@pytest.mark.parametrize("key_shift", [False, True])
+@pytest.mark.parametrize("key_shift,query_shift", TOKEN_SHIFTS)
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
-def test_left_padded_batch_and_changing_batch_size(retrieval, key_shift):
-    model = ann_model(retrieval, key_shift=key_shift)
+def test_left_padded_batch_and_changing_batch_size(retrieval, key_shift, query_shift):
+    model = ann_model(retrieval, key_shift=key_shift, query_shift=query_shift)
     long_row = torch.randint(3, 300, (1, 90))
     short_row = torch.randint(3, 300, (1, 61))
     batch = torch.cat([long_row, torch.cat([torch.zeros(1, 29, dtype=torch.long), short_row], dim=1)])
@@ -335,21 +340,44 @@ def test_bf16_autocast_forward_backward_and_generation():
     assert model_bf16.generate(input_ids[:, :80], max_new_tokens=8).shape == (2, 88)
 
 
-def test_key_shift_is_the_plain_model_at_zero_and_its_weights_round_trip(tmp_path):
+def test_token_shift_is_the_plain_model_at_zero_and_its_weights_round_trip(tmp_path):
     plain = ann_model()
-    shifted = MiniMindForCausalLM(MiniMindConfig(**{**plain.config.to_dict(), "key_shift": True})).eval()
+    shifted = MiniMindForCausalLM(MiniMindConfig(**{**plain.config.to_dict(), "key_shift": 2, "query_shift": 1})).eval()
     shifted.load_state_dict(plain.state_dict(), strict=False)
-    for layer in shifted.model.layers:
-        torch.nn.init.zeros_(layer.self_attn.k_shift)
     input_ids = torch.randint(3, 300, (2, 50))
     torch.testing.assert_close(shifted(input_ids).logits, plain(input_ids).logits, atol=0, rtol=0)
     for layer in shifted.model.layers:
         torch.nn.init.normal_(layer.self_attn.k_shift)
+        torch.nn.init.normal_(layer.self_attn.q_shift)
     shifted.save_pretrained(tmp_path)
     loaded = MiniMindForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.config.key_shift
+    assert (loaded.config.key_shift, loaded.config.query_shift) == (2, 1)
     torch.testing.assert_close(loaded(input_ids).logits, shifted(input_ids).logits, atol=0, rtol=0)
     assert (loaded(input_ids).logits - plain(input_ids).logits).abs().max() > 1e-3
+
+
+def test_previous_inputs_in_chunks_equal_the_whole_sequence():
+    """Token shift reads the j-th previous token's input, zeros before position 0, also across cache
+    calls shorter than the shift (the cache carries the last tokens' inputs)."""
+    x = torch.randn(2, 9, 3)
+    whole = previous_inputs(x, None, None, None, 2)
+    assert torch.equal(whole[0][:, 1:], x[:, :-1]) and not whole[0][:, 0].any()
+    assert torch.equal(whole[1][:, 2:], x[:, :-2]) and not whole[1][:, :2].any()
+    cache, pieces, start = KVBuffer(), [], 0
+    for size in (1, 4, 1, 3):
+        starts = torch.full((2,), start)
+        pieces.append(previous_inputs(x[:, start : start + size], starts, starts + size, cache, 2))
+        start += size
+    for j in range(2):
+        assert torch.equal(torch.cat([piece[j] for piece in pieces], dim=1), whole[j])
+
+
+def test_old_configs_with_a_key_shift_switch_mean_one_token():
+    assert MiniMindConfig(key_shift=True).key_shift == 1 and MiniMindConfig(key_shift=False).key_shift == 0
+    with pytest.raises(ValueError, match="key_shift must be an integer in 0..2"):
+        MiniMindConfig(key_shift=3)
+    with pytest.raises(ValueError, match="query_shift must be an integer in 0..2"):
+        MiniMindConfig(query_shift=-1)
 
 
 @pytest.mark.parametrize("summary", ["bounds", "mean"])

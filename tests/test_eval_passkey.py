@@ -1,5 +1,6 @@
 """scripts/eval_passkey.py: the prompt builder (length, key line, depth, Chinese), the answer parser,
-and an in-process run on a ~0.1M-parameter random ANN model writing JSON and a plot."""
+an in-process run on a ~0.1M-parameter random ANN model writing JSON and a plot, and the copying probe
+(scripts/probe_copying.py)."""
 
 import json
 import random
@@ -12,8 +13,9 @@ import torch
 from transformers import AutoTokenizer
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from scripts import eval_passkey
-from scripts.eval_passkey import PASSKEY_TEXTS, build_prompt, filler_sentences, parse_answer
+from scripts import eval_passkey, probe_copying
+from scripts.eval_chat import load_model
+from scripts.eval_passkey import PASSKEY_TEXTS, build_prompt, digits_right, filler_sentences, parse_answer
 from scripts.make_sample_data import PASSKEY_FILLER, PASSKEY_INTRO, make_passkey
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +102,12 @@ def test_parse_answer_takes_the_first_integer(text, expected):
     assert parse_answer(text) == expected
 
 
+@pytest.mark.parametrize("text,expected", [(" 71432.", 5), (" 41432.", 4), (" 17432", 3), (" 7143", 4),
+                                           (" 714329", 5), (" yellow.", 0), (" 00000", 0)])
+def test_digits_right_counts_the_key_digits_in_place(text, expected):
+    assert digits_right(71432, text) == expected
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
@@ -129,6 +137,9 @@ def test_end_to_end_writes_json_and_png(tiny_model_dir, tmp_path, capsys, retrie
     for row in result["rows"]:
         assert {"length", "depth", "attn", "retrieval", "accuracy", "trials"} <= set(row)
         assert row["attn"] == "ann" and row["retrieval"] == retrieval and row["accuracy"] in (0.0, 1.0)
+        assert row["accuracy"] == float(eval_passkey.parse_answer(row["answer"]) == row["key"])
+        assert row["digits_right"] == digits_right(row["key"], row["answer"])
+        assert f"key {row['key']} -> {row['answer']!r}" in out
         assert abs(row["prompt_tokens"] - row["length"]) <= 4
     assert result["peak_rss_mb"] > 0
     assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -157,3 +168,20 @@ def test_runs_as_a_file():
     result = subprocess.run([sys.executable, "scripts/eval_passkey.py", "--help"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--prefill_chunk" in result.stdout
+
+
+def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, capsys):
+    model, tokenizer = load_model(tiny_model_dir, None, None, torch.device("cpu"))
+    drill = "The pass key is 71432. Remember it. 71432 is the pass key. What is the pass key? The pass key is 71432."
+    [(answer, mention)] = probe_copying.answer_spans(drill)
+    assert drill[answer:answer + 5] == drill[mention:mention + 5] == "71432" and mention == drill.index("71432 is")
+    question = "What is the pass key?"
+    far = next(make_passkey(random.Random(0), 1))["text"].replace(question, "Filler. " * 40 + question)
+    [(beyond_drill, first, later)] = probe_copying.digit_losses(model, tokenizer, drill, window=32)
+    [(beyond_far, _, _)] = probe_copying.digit_losses(model, tokenizer, far, window=32)
+    assert (beyond_drill, beyond_far) == (False, True)
+    assert len(later) == 4 and all(loss > 0 for loss in [first, *later])
+    assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "in window" in out and "beyond window" in out and "chance 2.30" in out
+    assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "0"]) == 2

@@ -1,5 +1,6 @@
 """The sample data generator: deterministic output, valid schemas, passkey format, preset answers present."""
 import json
+import random
 import re
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.make_sample_data import PASSKEY_INTRO, preset_prompts
+from scripts.make_sample_data import PASSKEY_INTRO, make_passkey_training, preset_prompts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FILES = ["pretrain_hq.jsonl", "sft_mini_512.jsonl", "passkey_long.jsonl"]
@@ -63,6 +64,25 @@ def test_passkey_documents(sample):
         key = re.search(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text).group(1)
         assert text.startswith(PASSKEY_INTRO)
         assert text.endswith(f"What is the pass key? The pass key is {key}.")
+
+
+def test_passkey_training_documents_ask_one_key_up_to_four_times():
+    """The recipe's passkey documents: one key line, then 1-4 questions each answered with that key,
+    the last one ending the document; drills ask each of their keys once, right after it."""
+    question_counts = []
+    for record in make_passkey_training(random.Random(0), 400, max_questions=4):
+        text = record["text"]
+        keys = re.findall(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text)
+        answers = re.findall(r"What is the pass key\? The pass key is (\d{5})\.", text)
+        if text.startswith(PASSKEY_INTRO):
+            assert len(keys) == 1 and set(answers) == set(keys)
+            assert text.endswith(f"What is the pass key? The pass key is {keys[0]}.")
+            question_counts.append(len(answers))
+        else:
+            assert 2 <= len(keys) <= 6 and answers == keys
+    assert set(question_counts) == {1, 2, 3, 4}
+    recipe = [record["text"] for record in make_passkey_training(random.Random(0), 100)]
+    assert all(text.count("What is the pass key?") == 1 for text in recipe if text.startswith(PASSKEY_INTRO))
 
 
 def test_preset_answers_are_in_sft_data(sample):

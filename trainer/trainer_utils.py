@@ -38,7 +38,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from dataset.lm_dataset import DataFormatError, resolve_data_path
-from model.config import MiniMindConfig
+from model.config import MAX_TOKEN_SHIFT, MiniMindConfig
 from model.cpu_memory import retain_freed_memory
 from model.model import MiniMindForCausalLM
 
@@ -95,7 +95,10 @@ def parse_args(stage, argv=None):
     p.add_argument("--num_attention_heads", type=int, default=None, help="overrides the preset")
     p.add_argument("--num_key_value_heads", type=int, default=None, help="overrides the preset")
     p.add_argument("--rope_theta", type=float, default=None, help="RoPE base (default 1e6)")
-    p.add_argument("--key_shift", type=int, choices=[0, 1], default=None, help="1: smeared keys (see model/model.py)")
+    p.add_argument("--key_shift", type=int, choices=range(MAX_TOKEN_SHIFT + 1), default=None,
+                   help="previous tokens each key mixes in (smeared keys, see model/model.py); default 0")
+    p.add_argument("--query_shift", type=int, choices=range(MAX_TOKEN_SHIFT + 1), default=None,
+                   help="previous tokens each query mixes in; default 0")
     p.add_argument("--attn", default=None, help="ann | dense (default ann, or the --from_weight model's)")
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
@@ -159,19 +162,19 @@ def build_config(args):
         name: getattr(args, name)
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     }
-    key_shift = None if args.key_shift is None else bool(args.key_shift)
     try:
         if args.from_weight == "none":
             return MiniMindConfig.from_preset(
                 args.preset or "tiny",
                 **size_flags,
                 rope_theta=args.rope_theta,
-                key_shift=key_shift,
+                key_shift=args.key_shift,
+                query_shift=args.query_shift,
                 **attention,
             )
         config = MiniMindConfig.from_pretrained(args.from_weight)
         # The weights fix the architecture; size flags may only restate it.
-        requested = dict(size_flags, rope_theta=args.rope_theta, key_shift=key_shift)
+        requested = dict(size_flags, rope_theta=args.rope_theta, key_shift=args.key_shift, query_shift=args.query_shift)
         if args.preset:
             preset = MiniMindConfig.from_preset(args.preset, **requested)
             requested = {name: getattr(preset, name) for name in requested}
