@@ -191,8 +191,7 @@ def evaluate(model, tokenizer, lengths, depths, args):
                   f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, total {total_s:.2f}s", flush=True)
             rows.append({
                 "length": length, "depth": depth, "attn": config.attn_impl, "retrieval": retrieval,
-                "accuracy": float(correct), "trials": 1, "key": key, "answer": text,
-                "digits_right": digits_right(key, text), "prompt_tokens": len(prompt_ids),
+                "accuracy": float(correct), "trials": 1, "key": key, "answer": text, "prompt_tokens": len(prompt_ids),
                 "prefill_seconds": round(prefill_s, 4), "seconds_per_trial": round(total_s, 4),
             })
     return rows
@@ -205,7 +204,7 @@ def print_table(rows):
         group = [row for row in rows if row["length"] == length]
         trials = sum(row["trials"] for row in group)
         accuracy = sum(row["accuracy"] * row["trials"] for row in group) / trials
-        digits = np.mean([row["digits_right"] / len(str(row["key"])) for row in group])
+        digits = np.mean([digits_right(row["key"], row["answer"]) / len(str(row["key"])) for row in group])
         prefill = np.mean([row["prefill_seconds"] for row in group])
         seconds = np.mean([row["seconds_per_trial"] for row in group])
         print(f"{length:>8} {accuracy:>9.2f} {digits:>7.2f} {trials:>7} {prefill:>10.2f} {seconds:>8.2f}")

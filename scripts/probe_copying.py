@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from transformers.utils import logging as transformers_logging
 
 from scripts.eval_chat import OneLineParser, UsageError, load_model, resolve_load_path
-from scripts.make_sample_data import make_passkey_training
+from scripts.make_sample_data import PASSKEY_QUESTION, make_passkey_training
 
-ANSWER = re.compile(r"What is the pass key\? The pass key is (\d{5})\.")
+ANSWER = re.compile(re.escape(PASSKEY_QUESTION) + r" (\d{5})\.")
 KEY_DIGITS = 5
 
 

@@ -138,12 +138,16 @@ def test_end_to_end_writes_json_and_png(tiny_model_dir, tmp_path, capsys, retrie
         assert {"length", "depth", "attn", "retrieval", "accuracy", "trials"} <= set(row)
         assert row["attn"] == "ann" and row["retrieval"] == retrieval and row["accuracy"] in (0.0, 1.0)
         assert row["accuracy"] == float(eval_passkey.parse_answer(row["answer"]) == row["key"])
-        assert row["digits_right"] == digits_right(row["key"], row["answer"])
         assert f"key {row['key']} -> {row['answer']!r}" in out
         assert abs(row["prompt_tokens"] - row["length"]) <= 4
     assert result["peak_rss_mb"] > 0
     assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "note: 300 tokens is beyond the model's 256 positions" in out
+    for length in (200, 300):
+        group = [row for row in result["rows"] if row["length"] == length]
+        digits = sum(digits_right(row["key"], row["answer"]) / 5 for row in group) / len(group)
+        accuracy = sum(row["accuracy"] for row in group) / len(group)
+        assert f"{length:>8} {accuracy:>9.2f} {digits:>7.2f} {len(group):>7}" in out
     assert "s/trial" in out
 
 
