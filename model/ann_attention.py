@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .model import KVBuffer, Rope, dense_attention, with_capacity
+from .model import KVBuffer, dense_attention, with_capacity
 from .retrieval import build_retriever, candidate_count
 
 NEG_INF = float("-inf")
@@ -312,7 +312,7 @@ class AnnAttention:
         tile_begins = range(0, s, tile_size)
         slab_k, slab_v, slab_positions = window_slab(keys, values, first, len(tile_begins) * tile_size, window)
         if self.capped:
-            slab_k = Rope(slab_positions, rope.head_dim, rope.theta, rope.dtype)(slab_k)
+            slab_k = rope.moved(slab_positions)(slab_k)
         slab_tiles = zip(*(
             tensor.unfold(-2, tile_size + window, tile_size).transpose(-1, -2).unbind(-3)
             for tensor in (slab_k, slab_v, slab_positions[..., None])
@@ -378,7 +378,7 @@ class AnnAttention:
         """The Rope that puts queries in the frame of capped retrieved keys (None for true positions)."""
         if not self.capped:
             return None
-        return Rope(far_positions(rope.positions, self.window), rope.head_dim, rope.theta, rope.dtype)
+        return rope.moved(far_positions(rope.positions, self.window))
 
     def query_frames(self, q, rope, far_rope=None):
         """Unrotated q (b, h, s, d) -> (q for window keys, q for block keys), each (b, h, s, d).

@@ -74,6 +74,10 @@ class Rope:
         cos_sin = (self.cos[:, :, begin:end], self.sin[:, :, begin:end])
         return Rope(self.positions[:, begin:end], self.head_dim, self.theta, self.dtype, cos_sin)
 
+    def moved(self, positions):
+        """The Rope of other positions (b, s) with this one's frequencies."""
+        return Rope(positions, self.head_dim, self.theta, self.dtype)
+
     def __call__(self, x):
         """x (b, heads, s, d) of the new tokens, rotated at their positions."""
         return apply_rope(x, self.cos, self.sin)

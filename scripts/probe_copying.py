@@ -2,6 +2,7 @@
 
     python scripts/probe_copying.py --load out/long_ann/model
     python scripts/probe_copying.py --load out/long_ann/checkpoints/step_0000900.pt --docs 200
+    python scripts/probe_copying.py --load out/long_ann/model --split 64   # compare models of other windows
 
 Scores held-out text in the training format (scripts/make_sample_data.py, its own seed: drills and
 passkey documents that ask once) and splits every answer "What is the pass key? The pass key is
@@ -9,7 +10,7 @@ passkey documents that ask once) and splits every answer "What is the pass key? 
   - first digit (` 7`, the token after "key is": the only space-prefixed digit) vs the four later
     ones (`1`, `4`, `3`, `2`: the token after a digit);
   - whether the key's last mention before the answer is within the ANN window or beyond it (then
-    only retrieved blocks hold it).
+    only retrieved blocks hold it); `--split N` splits at N tokens instead.
 Chance is ln 10 = 2.30 nats. A passkey model needs all four numbers near 0; the runs in
 docs/LONG_CONTEXT.md learned them in different orders, and this tells which one a checkpoint lacks.
 """
@@ -67,9 +68,10 @@ def digit_losses(model, tokenizer, text, window):
     return results
 
 
-def probe(model, tokenizer, num_docs, seed):
-    """-> {(beyond_window, "first" | "later"): (mean NLL, count)} over num_docs held-out documents."""
-    window = model.config.ann_window
+def probe(model, tokenizer, num_docs, seed, split=None):
+    """-> {(beyond split, "first" | "later"): (mean NLL, count)} over num_docs held-out documents;
+    split: tokens between mention and answer that count as beyond (default: the model's window)."""
+    window = split or model.config.ann_window
     sums = {}
     for record in make_passkey_training(random.Random(f"probe:{seed}"), num_docs, max_questions=1):
         for beyond, first, later in digit_losses(model, tokenizer, record["text"], window):
@@ -84,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--load", required=True, help="model folder, out dir or checkpoint .pt")
     p.add_argument("--docs", type=int, default=200, help="held-out documents to score (~40%% drills)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", type=int, default=0,
+                   help="tokens back from which a key mention counts as far (0: the model's window)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return p.parse_args(argv)
 
@@ -94,16 +98,20 @@ def main(argv=None):
         args = parse_args(argv)
         if args.docs < 1:
             raise UsageError(f"--docs must be >= 1, got {args.docs}")
+        if args.split < 0:
+            raise UsageError(f"--split must be >= 0 (0: the model's window), got {args.split}")
         if args.threads:
             torch.set_num_threads(args.threads)
         model, tokenizer = load_model(resolve_load_path(args.load), None, None, torch.device("cpu"))
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    table = probe(model, tokenizer, args.docs, args.seed)
-    print(f"answer digit NLL (nats; chance {math.log(10):.2f}), window {model.config.ann_window} tokens")
+    split = args.split or model.config.ann_window
+    table = probe(model, tokenizer, args.docs, args.seed, split)
+    print(f"answer digit NLL (nats; chance {math.log(10):.2f}), window {model.config.ann_window} tokens, "
+          f"split at {split} tokens back")
     print(f"{'key mention':<14} {'first digit':>12} {'later digits':>13} {'answers':>8}")
-    for beyond, name in ((False, "in window"), (True, "beyond window")):
+    for beyond, name in ((False, f"<= {split} back"), (True, f"> {split} back")):
         first, count = table.get((beyond, "first"), (math.nan, 0))
         later, _ = table.get((beyond, "later"), (math.nan, 0))
         print(f"{name:<14} {first:>12.2f} {later:>13.2f} {count:>8}")

@@ -2,16 +2,17 @@
 # Long-context recipe for 2 CPU cores: about 27 minutes of training per model (docs/LONG_CONTEXT.md).
 #
 # Trains the same small model on the passkey training mix (dataset/sample/passkey_train.jsonl:
-# passkey documents of ~100-400 tokens and key drills) at --max_seq_len 512, with ANN attention
-# (out/long_ann) and then, as the control, with dense attention (out/long_dense), each run alone on
-# every core; then scripts/eval_passkey.py tests each at EVAL_LENGTHS, far beyond the trained length.
+# passkey documents of ~100-400 tokens that ask for their key 1-4 times, and key drills) at
+# --max_seq_len 512, with ANN attention (out/long_ann) and then, as the control, with dense
+# attention (out/long_dense), each run alone on every core; then scripts/eval_passkey.py tests each at EVAL_LENGTHS, far beyond the trained length.
 #
 #   bash scripts/train_long_context.sh                          # ANN model, then the dense control (~55 min)
 #   ATTNS=ann bash scripts/train_long_context.sh                # the ANN model only (~27 min + evaluation)
 #   TRAIN_MINUTES=1 STEPS=60 EVAL_LENGTHS="256 1024" bash scripts/train_long_context.sh   # smoke run
 #
 # Settings (environment): ATTNS ("ann dense"), TRAIN_MINUTES (27 per model), STEPS (4600: the cosine
-# schedule's length; the minutes stop training first if the machine is slower), SEED (42),
+# schedule's length; the minutes stop training first if the machine is slower), SEED (1: the run
+# docs/LONG_CONTEXT.md reports; seed 42 of this recipe was not run),
 # THREADS (2), EVAL_LENGTHS ("512 4096 16384"), EVAL_TRIALS (5 depths per length), OUT (out),
 # DATA (dataset/sample/passkey_train.jsonl; another mix: make_sample_data.py --passkey_max_questions,
 # --passkey_drill_fraction, as in docs/LONG_CONTEXT.md's experiments).
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 ATTNS=${ATTNS:-"ann dense"}
 TRAIN_MINUTES=${TRAIN_MINUTES:-27}
 STEPS=${STEPS:-4600}
-SEED=${SEED:-42}
+SEED=${SEED:-1}
 THREADS=${THREADS:-2}
 EVAL_LENGTHS=${EVAL_LENGTHS:-"512 4096 16384"}
 EVAL_TRIALS=${EVAL_TRIALS:-5}
@@ -29,17 +30,21 @@ OUT=${OUT:-out}
 DEFAULT_DATA=dataset/sample/passkey_train.jsonl
 DATA=${DATA:-$DEFAULT_DATA}
 
-# The default file is (re)written when missing or older than its generator, so it is never stale.
-if [ "$DATA" = "$DEFAULT_DATA" ] && [ ! "$DATA" -nt scripts/make_sample_data.py ]; then
-    python scripts/make_sample_data.py --out_dir dataset/sample --passkey_training_docs 40000
+# The default file is (re)written when missing or older than its generator or this script, so it
+# is never stale. Its documents ask for their key 1-4 times: that teaches fetching the key's first
+# digit, the half the 16-token window alone left unlearned in one seed of two (docs/LONG_CONTEXT.md).
+if [ "$DATA" = "$DEFAULT_DATA" ] && { [ ! "$DATA" -nt scripts/make_sample_data.py ] || [ ! "$DATA" -nt scripts/train_long_context.sh ]; }; then
+    python scripts/make_sample_data.py --out_dir dataset/sample --passkey_training_docs 40000 --passkey_max_questions 4
 fi
 [ -f "$DATA" ] || { echo "DATA $DATA: file not found" >&2; exit 2; }
 mkdir -p "$OUT"
 
 train() {  # $1: ann | dense. Everything but the attention is identical in the two runs.
-    # Smeared keys and RoPE base 1e4: see docs/LONG_CONTEXT.md (copying forms within the budget).
+    # Smeared keys and RoPE base 1e4: copying forms within the budget. A 16-token window: almost
+    # every copy in the data must come through retrieved blocks, so the one way the model learns to
+    # copy is the way it copies at 64k (docs/LONG_CONTEXT.md). Dense attention ignores the window.
     OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --attn "$1" --seed "$SEED" --data_path "$DATA" --out_dir "$OUT/long_$1" \
-        --preset tiny --hidden_size 128 --num_hidden_layers 4 --rope_theta 10000 --key_shift 1 \
+        --preset tiny --hidden_size 128 --num_hidden_layers 4 --rope_theta 10000 --key_shift 1 --ann_window 16 \
         --max_seq_len 512 --batch_size 8 --accumulation_steps 1 --learning_rate 1e-2 --warmup_steps 30 \
         --max_steps "$STEPS" --max_minutes "$TRAIN_MINUTES" --log_interval 25 --save_interval 300 \
         > "$OUT/long_$1.log" 2>&1 || { echo "training $1 failed, see $OUT/long_$1.log" >&2; return 1; }

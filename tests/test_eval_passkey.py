@@ -187,5 +187,15 @@ def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, caps
     assert len(later) == 4 and all(loss > 0 for loss in [first, *later])
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12"]) == 0
     out = capsys.readouterr().out
-    assert "in window" in out and "beyond window" in out and "chance 2.30" in out
+    window = model.config.ann_window
+    assert f"<= {window} back" in out and f"> {window} back" in out and "chance 2.30" in out
+    assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12", "--split", "200"]) == 0
+    assert "<= 200 back" in capsys.readouterr().out
+    # A longer split moves answers from far to near; none is lost.
+    by_window, by_200 = (probe_copying.probe(model, tokenizer, 12, 0, split) for split in (None, 200))
+    answers = {table_name: {beyond: table[(beyond, "first")][1] for beyond in (False, True) if (beyond, "first") in table}
+               for table_name, table in (("window", by_window), ("200", by_200))}
+    assert sum(answers["window"].values()) == sum(answers["200"].values())
+    assert answers["200"][False] > answers["window"][False]
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "0"]) == 2
+    assert probe_copying.main(["--load", str(tiny_model_dir), "--split", "-1"]) == 2

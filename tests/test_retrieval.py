@@ -98,6 +98,50 @@ def test_hnsw_finds_a_distinct_block_among_thousands_of_duplicated_ones():
     assert len(retriever.graphs[0][0].node_rows) == 30  # 29 filler summaries and the key
 
 
+def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
+    """HNSW's neighbour pruning can leave a distinct vector with no incoming edge (the passkey's block
+    among filler, in a trained model); no search reaches it. Cut every edge into the best block: the
+    graph alone misses it, the orphan list finds it, and a block the graph does reach is not doubled."""
+    from model.retrieval import MipsHnsw
+    import faiss
+
+    queries, summaries = structured_summaries(200, dim=16)
+    vectors, query = summaries[0, 0].numpy(), queries[0, 0, 0].numpy()
+    best = int(np.argmax(vectors @ query))
+    graph = MipsHnsw(16, 8, 40, 64)
+    graph.add(vectors)
+    assert len(graph.orphans) == 0 and graph.search(query[None], 1)[0, 0] == best
+    hnsw = graph.index.hnsw
+    neighbors = faiss.vector_to_array(hnsw.neighbors)
+    neighbors[neighbors == best] = -1  # the node of `best` is itself: no duplicates in these vectors
+    faiss.copy_array_to_vector(neighbors, hnsw.neighbors)
+    if hnsw.entry_point == best:
+        hnsw.entry_point = int(np.argmin(vectors @ query))
+    graph.orphans = graph._find_orphans()
+    assert graph.orphans.tolist() == [best]
+    _, graph_only = graph.index.search(np.concatenate([query, [0.0]])[None].astype(np.float32), 4)
+    assert best not in graph_only[0]
+    some_queries = queries[0, 0].numpy()
+    found = graph.search(some_queries, 4)
+    best_of_each = np.argmax(some_queries @ vectors.T, axis=1)
+    assert (found[:, 0] == best_of_each).all() and (best_of_each == best).any() and (best_of_each != best).any()
+    assert all(len(set(row)) == len(row) for row in found.tolist())
+
+
+def test_near_duplicate_chains_in_one_add_share_a_node():
+    """a ~ b and b ~ c within the tolerance, a and c not: added at once, all three join a's node."""
+    from model.retrieval import MipsHnsw
+
+    base = np.zeros(4, dtype=np.float32)
+    base[0] = 10.0
+    step = np.array([0, 0.7e-3, 0, 0], dtype=np.float32)  # tolerance is 1e-4 * radius (12.5): 1.25e-3
+    vectors = np.stack([base, base + step, base + 2 * step, -base])
+    graph = MipsHnsw(4, 8, 40, 64)
+    graph.add(vectors)
+    assert len(graph.node_rows) == 2 and graph.member_counts.tolist() == [3, 1]
+    assert graph.search(base[None], 4)[0].tolist() == [0, 1, 2, 3]
+
+
 def test_auto_switches_at_the_threshold():
     queries, summaries = structured_summaries(64)
     retriever = AutoRetriever(32, 32, 80, 64)

@@ -158,23 +158,19 @@ def build_config(args):
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
     )
-    size_flags = {
+    architecture = {
         name: getattr(args, name)
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        for name in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "rope_theta", "key_shift", "query_shift",
+        )
     }
     try:
         if args.from_weight == "none":
-            return MiniMindConfig.from_preset(
-                args.preset or "tiny",
-                **size_flags,
-                rope_theta=args.rope_theta,
-                key_shift=args.key_shift,
-                query_shift=args.query_shift,
-                **attention,
-            )
+            return MiniMindConfig.from_preset(args.preset or "tiny", **architecture, **attention)
         config = MiniMindConfig.from_pretrained(args.from_weight)
-        # The weights fix the architecture; size flags may only restate it.
-        requested = dict(size_flags, rope_theta=args.rope_theta, key_shift=args.key_shift, query_shift=args.query_shift)
+        # The weights fix the architecture; its flags may only restate it.
+        requested = architecture
         if args.preset:
             preset = MiniMindConfig.from_preset(args.preset, **requested)
             requested = {name: getattr(preset, name) for name in requested}
@@ -184,7 +180,7 @@ def build_config(args):
             if value is not None and value != getattr(config, name)
         ]
         if conflicts:
-            raise UsageError(f"size flags conflict with the --from_weight model: {', '.join(conflicts)}")
+            raise UsageError(f"architecture flags conflict with the --from_weight model: {', '.join(conflicts)}")
         # Attention settings change no weights, so a later stage may switch them.
         for name, value in attention.items():
             if value is not None:
