@@ -86,7 +86,9 @@ class MipsHnsw:
     Nodes that no other node links to are scored exactly. HNSW's neighbour pruning can drop every
     edge into a vector unlike its neighbours, and no search reaches such a node however wide; among
     repeated filler, that is the distinct block a query looks for (the passkey's, measured: 20 of
-    300 queries missed it with efSearch 512 over 156 nodes). Orphans are few, so this costs little.
+    300 queries missed it with efSearch 512 over 156 nodes). Orphans are few, so scoring them is
+    cheap; finding them rescans every level-0 neighbour list after each insertion, O(nodes * 2M)
+    (7 ms at 8192 nodes; a 64k-token passkey trial went from 6.5 to 7.1 s, docs/LONG_CONTEXT.md).
     """
 
     DUPLICATE_TOLERANCE = 1e-4

@@ -4,7 +4,8 @@
 # Trains the same small model on the passkey training mix (dataset/sample/passkey_train.jsonl:
 # passkey documents of ~100-400 tokens that ask for their key 1-4 times, and key drills) at
 # --max_seq_len 512, with ANN attention (out/long_ann) and then, as the control, with dense
-# attention (out/long_dense), each run alone on every core; then scripts/eval_passkey.py tests each at EVAL_LENGTHS, far beyond the trained length.
+# attention (out/long_dense), each run alone on every core; then scripts/eval_passkey.py tests each
+# at EVAL_LENGTHS, far beyond the trained length.
 #
 #   bash scripts/train_long_context.sh                          # ANN model, then the dense control (~55 min)
 #   ATTNS=ann bash scripts/train_long_context.sh                # the ANN model only (~27 min + evaluation)
