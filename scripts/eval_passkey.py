@@ -320,6 +320,7 @@ def main(argv=None):
         run_config = {
             "load": str(path), "attn": config.attn_impl, "retrieval": config.ann_retrieval,
             "ann_window": config.ann_window, "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n,
+            "hnsw_m": config.hnsw_m, "hnsw_ef_search": config.hnsw_ef_search,
             "parameters": num_parameters, "lang": args.lang, "lengths": args.lengths, "depths": depths,
             "prefill_chunk": args.prefill_chunk, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
             "threads": torch.get_num_threads(), "device": args.device,

@@ -8,7 +8,9 @@ Scores held-out text in the training format (scripts/make_sample_data.py, its ow
 passkey documents that ask once) and splits every answer "What is the pass key? The pass key is
 71432." two ways:
   - first digit (` 7`, the token after "key is": the only space-prefixed digit) vs the four later
-    ones (`1`, `4`, `3`, `2`: the token after a digit);
+    ones (`1`, `4`, `3`, `2`: the token after a digit), and the later ones again by whether the
+    digit before them occurs once in the key or more (in 22429, "the digit after 2" is ambiguous
+    to a copy that matches one token, so those digits need the token before it too);
   - whether the key's last mention before the answer is within the ANN window or beyond it (then
     only retrieved blocks hold it); `--split N` splits at N tokens instead.
 Chance is ln 10 = 2.30 nats. A passkey model needs all four numbers near 0; the runs in
@@ -45,8 +47,14 @@ def answer_spans(text):
     return spans
 
 
+def after_repeated_digit(key):
+    """'22429' -> [True, True, False, True]: for each later digit, whether the digit before it occurs
+    more than once in the key."""
+    return [key.count(previous) > 1 for previous in key[:-1]]
+
+
 def digit_losses(model, tokenizer, text, window):
-    """One text -> [(beyond_window, first digit NLL, [later digit NLLs])] for its answers whose
+    """One text -> [(beyond_window, first digit NLL, [later digit NLLs], key)] for its answers whose
     digits are single tokens (the shipped tokenizer writes ` 71432` as ` 7` `1` `4` `3` `2`)."""
     encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
@@ -64,18 +72,23 @@ def digit_losses(model, tokenizer, text, window):
         if tokenizer.decode(digits).strip() != text[start : start + KEY_DIGITS]:
             continue
         losses = nll[first - 1 : first - 1 + KEY_DIGITS].tolist()
-        results.append((first - previous > window, losses[0], losses[1:]))
+        results.append((first - previous > window, losses[0], losses[1:], text[start : start + KEY_DIGITS]))
     return results
 
 
 def probe(model, tokenizer, num_docs, seed, split=None):
-    """-> {(beyond split, "first" | "later"): (mean NLL, count)} over num_docs held-out documents;
-    split: tokens between mention and answer that count as beyond (default: the model's window)."""
+    """-> {(beyond split, "first" | "later" | "after unique" | "after repeated"): (mean NLL, count)}
+    over num_docs held-out documents; split: tokens between mention and answer that count as
+    beyond (default: the model's window)."""
     window = split or model.config.ann_window
     sums = {}
     for record in make_passkey_training(random.Random(f"probe:{seed}"), num_docs, max_questions=1):
-        for beyond, first, later in digit_losses(model, tokenizer, record["text"], window):
-            for part, values in (("first", [first]), ("later", later)):
+        for beyond, first, later, key in digit_losses(model, tokenizer, record["text"], window):
+            repeated = after_repeated_digit(key)
+            parts = (("first", [first]), ("later", later),
+                     ("after unique", [loss for loss, ambiguous in zip(later, repeated) if not ambiguous]),
+                     ("after repeated", [loss for loss, ambiguous in zip(later, repeated) if ambiguous]))
+            for part, values in parts:
                 total, count = sums.get((beyond, part), (0.0, 0))
                 sums[(beyond, part)] = (total + sum(values), count + len(values))
     return {key: (total / count, count) for key, (total, count) in sums.items()}
@@ -110,11 +123,13 @@ def main(argv=None):
     table = probe(model, tokenizer, args.docs, args.seed, split)
     print(f"answer digit NLL (nats; chance {math.log(10):.2f}), window {model.config.ann_window} tokens, "
           f"split at {split} tokens back")
-    print(f"{'key mention':<14} {'first digit':>12} {'later digits':>13} {'answers':>8}")
+    print(f"{'key mention':<14} {'first digit':>12} {'later digits':>13} {'after unique':>13} "
+          f"{'after repeated':>15} {'answers':>8}")
     for beyond, name in ((False, f"<= {split} back"), (True, f"> {split} back")):
         first, count = table.get((beyond, "first"), (math.nan, 0))
-        later, _ = table.get((beyond, "later"), (math.nan, 0))
-        print(f"{name:<14} {first:>12.2f} {later:>13.2f} {count:>8}")
+        later, unique, repeated = (table.get((beyond, part), (math.nan, 0))[0]
+                                   for part in ("later", "after unique", "after repeated"))
+        print(f"{name:<14} {first:>12.2f} {later:>13.2f} {unique:>13.2f} {repeated:>15.2f} {count:>8}")
     return 0
 
 

@@ -113,7 +113,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             attn_impl="ann", ann_window=32, ann_block_size=16, ann_top_n=2,
-                            max_position_embeddings=256)
+                            max_position_embeddings=256, hnsw_ef_search=48)
     folder = tmp_path_factory.mktemp("tiny_ann")
     MiniMindForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -131,6 +131,7 @@ def test_end_to_end_writes_json_and_png(tiny_model_dir, tmp_path, capsys, retrie
     assert code == 0
     result = json.loads(json_path.read_text())
     assert result["config"]["retrieval"] == retrieval and result["config"]["depths"] == [0.0, 0.5, 1.0]
+    assert (result["config"]["hnsw_m"], result["config"]["hnsw_ef_search"]) == (32, 48)
     assert [(row["length"], row["depth"]) for row in result["rows"]] == [
         (length, depth) for length in (200, 300) for depth in (0.0, 0.5, 1.0)
     ]
@@ -174,6 +175,12 @@ def test_runs_as_a_file():
     assert result.returncode == 0 and "--prefill_chunk" in result.stdout
 
 
+@pytest.mark.parametrize("key, expected", [("71432", [False] * 4), ("22429", [True, True, False, True]),
+                                           ("43936", [False, True, False, True]), ("11111", [True] * 4)])
+def test_after_repeated_digit_marks_ambiguous_lookups(key, expected):
+    assert probe_copying.after_repeated_digit(key) == expected
+
+
 def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, capsys):
     model, tokenizer = load_model(tiny_model_dir, None, None, torch.device("cpu"))
     drill = "The pass key is 71432. Remember it. 71432 is the pass key. What is the pass key? The pass key is 71432."
@@ -181,14 +188,14 @@ def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, caps
     assert drill[answer:answer + 5] == drill[mention:mention + 5] == "71432" and mention == drill.index("71432 is")
     question = "What is the pass key?"
     far = next(make_passkey(random.Random(0), 1))["text"].replace(question, "Filler. " * 40 + question)
-    [(beyond_drill, first, later)] = probe_copying.digit_losses(model, tokenizer, drill, window=32)
-    [(beyond_far, _, _)] = probe_copying.digit_losses(model, tokenizer, far, window=32)
-    assert (beyond_drill, beyond_far) == (False, True)
+    [(beyond_drill, first, later, key)] = probe_copying.digit_losses(model, tokenizer, drill, window=32)
+    [(beyond_far, _, _, _)] = probe_copying.digit_losses(model, tokenizer, far, window=32)
+    assert (beyond_drill, beyond_far, key) == (False, True, "71432")
     assert len(later) == 4 and all(loss > 0 for loss in [first, *later])
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12"]) == 0
     out = capsys.readouterr().out
     window = model.config.ann_window
-    assert f"<= {window} back" in out and f"> {window} back" in out and "chance 2.30" in out
+    assert f"<= {window} back" in out and f"> {window} back" in out and "chance 2.30" in out and "after repeated" in out
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12", "--split", "200"]) == 0
     assert "<= 200 back" in capsys.readouterr().out
     # A longer split moves answers from far to near; none is lost.
@@ -197,5 +204,12 @@ def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, caps
                for table_name, table in (("window", by_window), ("200", by_200))}
     assert sum(answers["window"].values()) == sum(answers["200"].values())
     assert answers["200"][False] > answers["window"][False]
+    # Later digits split by the digit before them: every later digit lands in exactly one half.
+    for beyond in (False, True):
+        if (beyond, "later") in by_window:
+            halves = [by_window.get((beyond, part), (0.0, 0)) for part in ("after unique", "after repeated")]
+            assert sum(count for _, count in halves) == by_window[(beyond, "later")][1]
+            assert sum(mean * count for mean, count in halves) == pytest.approx(
+                by_window[(beyond, "later")][0] * by_window[(beyond, "later")][1])
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "0"]) == 2
     assert probe_copying.main(["--load", str(tiny_model_dir), "--split", "-1"]) == 2

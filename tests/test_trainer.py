@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from model import MiniMindForCausalLM
 from trainer import train_full_sft, train_pretrain
@@ -103,6 +104,29 @@ def test_sft_starts_from_pretrained_weights(pretrained, data_dir, tmp_path):
     assert MiniMindForCausalLM.from_pretrained(tmp_path / "sft" / "model").config.hidden_size == 64
 
 
+def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp_path):
+    # 48 samples / 8 -> 6 steps per epoch, 12 in all; the wide shift is held for the first 4 updates.
+    data = data_dir / "pretrain.jsonl"
+    common = ["--batch_size", "8", "--epochs", "2", "--learning_rate", "2e-3", "--save_interval", "4",
+              "--keep_checkpoints", "3"]
+    assert run_stage(train_pretrain, tmp_path / "narrow", data, *common, "--key_shift", "1") == 0
+    assert run_stage(train_pretrain, tmp_path / "held", data, *common, "--key_shift", "2", "--query_shift", "1",
+                     "--wide_shift_from_step", "4", "--hnsw_ef_search", "128") == 0
+    narrow, held = ([r["loss"] for r in read_metrics(tmp_path / name)] for name in ("narrow", "held"))
+    # Step k's loss is taken before update k: the first five come from weights of held updates only.
+    assert held[:5] == narrow[:5]
+    assert held[5] != narrow[5]
+
+    def wide_rows(step):
+        state = torch.load(tmp_path / "held" / "checkpoints" / f"step_{step:07d}.pt", weights_only=False)["model"]
+        return [state[name][1:] if name.endswith("k_shift") else state[name] for name in state if "_shift" in name]
+
+    assert all(not rows.any() for rows in wide_rows(4))
+    assert all(rows.any() for rows in wide_rows(12))
+    saved = MiniMindForCausalLM.from_pretrained(tmp_path / "held" / "model").config
+    assert (saved.key_shift, saved.query_shift, saved.hnsw_ef_search) == (2, 1, 128)
+
+
 def test_resume_after_sigkill_is_bitwise_exact(data_dir, tmp_path):
     # 48 samples, 4 x 2 accumulation -> 6 steps per epoch; 36 steps cross five epoch boundaries.
     data = data_dir / "pretrain.jsonl"
@@ -165,6 +189,9 @@ def test_corrupt_latest_checkpoint_is_skipped(data_dir, tmp_path, capsys):
         (["--ann_block_summary", "median"], "ann_block_summary must be one of"),
         (["--num_attention_heads", "8", "--num_key_value_heads", "3"], "must divide num_attention_heads"),
         (["--from_weight", "no/such/folder"], "not a saved model folder"),
+        (["--hnsw_ef_search", "0"], "hnsw_ef_search must be a positive integer"),
+        (["--wide_shift_from_step", "-1"], "--wide_shift_from_step must be >= 0"),
+        (["--wide_shift_from_step", "5", "--key_shift", "1"], "holds back a token shift the model does not have"),
         (["--use_wandb"], "wandb"),
     ],
 )

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 from dataset.lm_dataset import DataFormatError, resolve_data_path
 from model.config import MAX_TOKEN_SHIFT, MiniMindConfig
 from model.cpu_memory import retain_freed_memory
-from model.model import MiniMindForCausalLM
+from model.model import Attention, MiniMindForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_KEYS = ("model", "config", "optimizer", "scaler", "state", "rng", "args")
@@ -99,6 +99,9 @@ def parse_args(stage, argv=None):
                    help="previous tokens each key mixes in (smeared keys, see model/model.py); default 0")
     p.add_argument("--query_shift", type=int, choices=range(MAX_TOKEN_SHIFT + 1), default=None,
                    help="previous tokens each query mixes in; default 0")
+    p.add_argument("--wide_shift_from_step", type=int, default=0,
+                   help="hold the token shift beyond one previous token (a key's second, every query's) "
+                        "fixed until this optimizer step; a new model's is zero, so it first trains as with --key_shift 1")
     p.add_argument("--attn", default=None, help="ann | dense (default ann, or the --from_weight model's)")
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
@@ -106,6 +109,8 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--ann_block_summary", default=None, help="bounds | mean: how a block is scored for retrieval")
+    p.add_argument("--hnsw_ef_search", type=int, default=None,
+                   help="HNSW search breadth saved with the model (used when it retrieves with hnsw); default 64")
     p.add_argument("--from_weight", default="none", help="saved model folder of an earlier stage, or 'none'")
     p.add_argument("--from_resume", type=int, choices=[0, 1], default=0, help="1: continue from out_dir/checkpoints")
     p.add_argument("--log_interval", type=int, default=10, help="optimizer steps between metrics lines")
@@ -120,6 +125,7 @@ def validate_args(args):
     at_least = {
         "epochs": 1, "batch_size": 1, "accumulation_steps": 1, "max_seq_len": 2, "log_interval": 1,
         "save_interval": 1, "keep_checkpoints": 1, "warmup_steps": 0, "num_workers": 0,
+        "wide_shift_from_step": 0,
     }
     for name, low in at_least.items():
         if getattr(args, name) < low:
@@ -157,6 +163,7 @@ def build_config(args):
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
+        hnsw_ef_search=args.hnsw_ef_search,
     )
     architecture = {
         name: getattr(args, name)
@@ -359,6 +366,22 @@ def learning_rate_at(step, total_steps, peak, warmup_steps):
     return peak / 10 + 0.45 * peak * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def wide_shift_weights(model):
+    """[(parameter, first row)]: the token-shift rows beyond a key's one previous token, i.e. every key
+    row from the second on and every query row. --wide_shift_from_step zeroes their gradients until
+    then; a new model's start at zero, so until that step it computes exactly what a --key_shift 1
+    model computes. Learning the copy with the one-token match first and the
+    two-token match after is what forms both within the long-context budget (docs/LONG_CONTEXT.md)."""
+    rows = []
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.k_shift is not None and len(module.k_shift) > 1:
+                rows.append((module.k_shift, 1))
+            if module.q_shift is not None:
+                rows.append((module.q_shift, 0))
+    return rows
+
+
 def build_optimizer(model, learning_rate):
     # Decay matrices (linear layers, embeddings), not norms and biases: the nanoGPT/minimind recipe.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -463,6 +486,7 @@ def train(stage, args, config, rank, world_size, device):
         raise UsageError(str(error)) from None
 
     optimizer = build_optimizer(model, args.learning_rate)
+    held_shift = wide_shift_weights(model) if args.wide_shift_from_step else []
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     plan = EpochPlan(len(dataset), args.batch_size, args.accumulation_steps, args.seed, rank, world_size)
     total_steps = args.epochs * plan.steps
@@ -567,6 +591,10 @@ def train(stage, args, config, rank, world_size, device):
                     f"non-finite loss ({step_loss}) at step {progress.step + 1} (epoch {progress.epoch + 1}); "
                     f"stopped. Last good checkpoint: {last_checkpoint or 'none'}"
                 )
+            if progress.step < args.wide_shift_from_step:
+                for weight, first_row in held_shift:
+                    if weight.grad is not None:
+                        weight.grad[first_row:] = 0
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -634,6 +662,12 @@ def main(stage, argv=None):
         if args.max_seq_len > config.max_position_embeddings:
             raise UsageError(
                 f"--max_seq_len {args.max_seq_len} exceeds the model's {config.max_position_embeddings} positions"
+            )
+        if args.wide_shift_from_step and config.key_shift < 2 and not config.query_shift:
+            raise UsageError(
+                f"--wide_shift_from_step {args.wide_shift_from_step} holds back a token shift the model does "
+                f"not have (key_shift {config.key_shift}, query_shift {config.query_shift}): "
+                "it needs --key_shift 2 or --query_shift >= 1"
             )
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
