@@ -328,7 +328,8 @@ def main(argv=None):
         result = {"config": run_config, "rows": rows, "peak_rss_mb": round(peak_rss_mb(), 1)}
         json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         title = f"passkey retrieval ({attention}): {path}"
-        plot(rows, title if len(title) < 90 else f"passkey retrieval ({config.attn_impl}): {path}",
+        short = f"{config.attn_impl}, {config.ann_retrieval}" if config.attn_impl == "ann" else config.attn_impl
+        plot(rows, title if len(title) < 90 else f"passkey retrieval ({short}): {path}",
              json_path.with_suffix(".png"))
         print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
     return 0

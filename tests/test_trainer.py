@@ -125,6 +125,15 @@ def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp
     assert all(rows.any() for rows in wide_rows(12))
     saved = MiniMindForCausalLM.from_pretrained(tmp_path / "held" / "model").config
     assert (saved.key_shift, saved.query_shift, saved.hnsw_ef_search) == (2, 1, 128)
+    # Continuing from weights whose wide rows are trained, the hold keeps them as they are (no decay).
+    assert run_stage(train_pretrain, tmp_path / "continued", data, *common, "--from_weight", str(tmp_path / "held" / "model"),
+                     "--wide_shift_from_step", "100") == 0
+    before, after = (MiniMindForCausalLM.from_pretrained(tmp_path / name / "model").state_dict()
+                     for name in ("held", "continued"))
+    for name in (name for name in before if name.endswith("k_shift")):
+        assert torch.equal(after[name][1:], before[name][1:]) and not torch.equal(after[name][0], before[name][0])
+    for name in (name for name in before if name.endswith("q_shift")):
+        assert torch.equal(after[name], before[name]) and after[name].any()
 
 
 def test_resume_after_sigkill_is_bitwise_exact(data_dir, tmp_path):

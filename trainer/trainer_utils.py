@@ -100,8 +100,9 @@ def parse_args(stage, argv=None):
     p.add_argument("--query_shift", type=int, choices=range(MAX_TOKEN_SHIFT + 1), default=None,
                    help="previous tokens each query mixes in; default 0")
     p.add_argument("--wide_shift_from_step", type=int, default=0,
-                   help="hold the token shift beyond one previous token (a key's second, every query's) "
-                        "fixed until this optimizer step; a new model's is zero, so it first trains as with --key_shift 1")
+                   help="hold the token shift beyond a key's first previous token (a key's second, every "
+                        "query's) fixed until this optimizer step; a new model's is zero, so with --key_shift 2 "
+                        "it first trains as with --key_shift 1")
     p.add_argument("--attn", default=None, help="ann | dense (default ann, or the --from_weight model's)")
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
@@ -368,10 +369,11 @@ def learning_rate_at(step, total_steps, peak, warmup_steps):
 
 def wide_shift_weights(model):
     """[(parameter, first row)]: the token-shift rows beyond a key's one previous token, i.e. every key
-    row from the second on and every query row. --wide_shift_from_step zeroes their gradients until
-    then; a new model's start at zero, so until that step it computes exactly what a --key_shift 1
-    model computes. Learning the copy with the one-token match first and the
-    two-token match after is what forms both within the long-context budget (docs/LONG_CONTEXT.md)."""
+    row from the second on and every query row. --wide_shift_from_step holds them until then (no
+    gradient, no weight decay); a new model's start at zero, so until that step a --key_shift 2 model
+    computes exactly what a --key_shift 1 model computes. Learning the copy with the one-token match
+    first and the two-token match after is what forms both within the long-context budget
+    (docs/LONG_CONTEXT.md)."""
     rows = []
     for module in model.modules():
         if isinstance(module, Attention):
@@ -486,7 +488,6 @@ def train(stage, args, config, rank, world_size, device):
         raise UsageError(str(error)) from None
 
     optimizer = build_optimizer(model, args.learning_rate)
-    held_shift = wide_shift_weights(model) if args.wide_shift_from_step else []
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     plan = EpochPlan(len(dataset), args.batch_size, args.accumulation_steps, args.seed, rank, world_size)
     total_steps = args.epochs * plan.steps
@@ -501,6 +502,10 @@ def train(stage, args, config, rank, world_size, device):
         else:
             say(f"resumed from {last_checkpoint} (step {progress.step}, epoch {progress.epoch + 1})")
     progress = progress or Progress()
+    # Held rows keep the values they start (or resume) with: zeroed gradients leave Adam's moments
+    # at zero, and restoring the values after each step undoes weight decay on a nonzero start.
+    held_shift = [(weight, first_row, weight.detach()[first_row:].clone())
+                  for weight, first_row in wide_shift_weights(model)] if args.wide_shift_from_step else []
     if is_main:
         prepare_out_dir(out_dir, progress.step if last_checkpoint else None)
     wandb_run = None
@@ -592,7 +597,7 @@ def train(stage, args, config, rank, world_size, device):
                     f"stopped. Last good checkpoint: {last_checkpoint or 'none'}"
                 )
             if progress.step < args.wide_shift_from_step:
-                for weight, first_row in held_shift:
+                for weight, first_row, _ in held_shift:
                     if weight.grad is not None:
                         weight.grad[first_row:] = 0
             if args.grad_clip > 0:
@@ -600,6 +605,10 @@ def train(stage, args, config, rank, world_size, device):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)
             scaler.update()
+            if progress.step < args.wide_shift_from_step:
+                with torch.no_grad():
+                    for weight, first_row, start_value in held_shift:
+                        weight[first_row:] = start_value
             optimizer.zero_grad(set_to_none=True)
             group_loss.zero_()
             group_tokens.zero_()
