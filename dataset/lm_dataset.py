@@ -36,8 +36,9 @@ IGNORE_INDEX = -100
 END_OF_TEXT = "<|endoftext|>"  # document end and padding (id 0)
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_ROLES = ("system", "user", "assistant")
-INDEX_VERSION = 1  # bump when the index layout or the validation rules change
+INDEX_VERSION = 2  # bump when the index layout or the validation rules change
 MAX_REPORTED_BAD_LINES = 5
+UTF8_BOM = b"\xef\xbb\xbf"
 ANNOUNCE_SCAN_BYTES = 64 * 2**20  # a scan of a file this big takes a while: say so
 
 DATASET_DIR = Path(__file__).resolve().parent
@@ -156,10 +157,14 @@ def scan_jsonl(path: Path, record_problem, stop_at_first_bad: bool) -> LineIndex
     offset = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            line_offset = offset
+            offset += len(raw)
+            if line_no == 1 and raw.startswith(UTF8_BOM):  # files saved by Windows tools
+                raw, line_offset = raw[len(UTF8_BOM) :], line_offset + len(UTF8_BOM)
             if not raw.strip():
                 skipped_empty += 1
             elif (problem := line_problem(raw, record_problem)) is None:
-                offsets.append(offset)
+                offsets.append(line_offset)
                 line_numbers.append(line_no)
             elif stop_at_first_bad:
                 raise DataFormatError(path, problem, line_no)
@@ -167,7 +172,6 @@ def scan_jsonl(path: Path, record_problem, stop_at_first_bad: bool) -> LineIndex
                 skipped_bad += 1
                 if len(first_bad) < MAX_REPORTED_BAD_LINES:
                     first_bad.append((line_no, problem))
-            offset += len(raw)
     return LineIndex(np.array(offsets, dtype=np.int64), np.array(line_numbers, dtype=np.int64),
                      lines=line_no, skipped_bad=skipped_bad, skipped_empty=skipped_empty, first_bad=first_bad)
 

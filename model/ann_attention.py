@@ -38,8 +38,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .model import KVBuffer, dense_attention, with_capacity
-from .retrieval import build_retriever, candidate_count
+from .dense_attention import dense_attention
+from .kv_cache import KVBuffer, with_capacity
+from .retrieval import block_summaries, build_retriever, candidate_count, selection_queries
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256
@@ -48,35 +49,6 @@ QUERY_TILE = 256
 # 1 thread, 8/2 heads, d 64: masked 37 ms vs tiled 78 ms at 512, 203 vs 208 at 1024, 846 vs 304
 # at 2048; docs/BENCHMARKS.md).
 MASKED_SDPA_MAX_LEN = 1024
-
-
-def selection_queries(q, kv_heads, summary):
-    """q (b, h, s, d) -> (b, g, s, e): the vector of each GQA group that scores its blocks.
-
-    "mean": e = d, the group's summed queries. "bounds": e = 2d, [sum of max(q, 0), sum of min(q, 0)]
-    over the group's heads, so that its product with a block's [max key, min key] is the sum over
-    heads of each head's upper bound on q . k for any key of the block.
-    """
-    b, h, s, d = q.shape
-    grouped = q.view(b, kv_heads, h // kv_heads, s, d)
-    if summary == "mean":
-        return grouped.sum(dim=2)
-    return torch.cat([grouped.clamp(min=0).sum(dim=2), grouped.clamp(max=0).sum(dim=2)], dim=-1)
-
-
-def block_summaries(keys, first_block, end_block, block_size, summary):
-    """keys (b, g, t, d) -> summaries (b, g, end_block - first_block, e) of blocks first .. end-1.
-
-    "mean": e = d, the mean key. "bounds": e = 2d, the channel-wise [max, min] of the block's keys
-    (Quest): a block with one key that matches the query scores high however ordinary the rest is,
-    where a mean dilutes that key by the B-1 others.
-    """
-    b, g, _, d = keys.shape
-    span = keys[:, :, first_block * block_size : end_block * block_size]
-    blocks = span.reshape(b, g, end_block - first_block, block_size, d)
-    if summary == "mean":
-        return blocks.mean(dim=3)
-    return torch.cat([blocks.amax(dim=3), blocks.amin(dim=3)], dim=-1)
 
 
 def window_slab(keys, values, first_positions, num_queries, window):

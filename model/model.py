@@ -1,16 +1,7 @@
 """MiniMind: a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, tied embeddings).
 
 Parameter names follow transformers' Llama so weights copy one to one (tests/test_parity.py).
-Attention is pluggable: `Attention` projects and rotates q/k/v, and hands them to an attention
-core that owns what happens next, dense causal attention (`DenseAttention`, below) or ANN
-attention (`model/ann_attention.py`). Both cores speak the same interface:
-
-    core(q, k, v, starts, ends, layer_cache, rope) -> out
-        q: (b, h, s, d), k/v: (b, hkv, s, d) for the s new tokens, q and k not yet rotated;
-        starts: None for a plain causal pass from position 0 without cache, else a (b,) tensor with
-        the position of each sequence's first new token; ends: None, or (b,) the end of each
-        row's real tokens (a padded prompt is shorter than s); layer_cache: the core's per-layer cache;
-        rope: the `Rope` of the new tokens' positions.
+The attention module and its pluggable cores live in model/attention.py.
 
 Padding. Sequences are processed in their own coordinates (position 0 = first real token), so a
 left-padded batch is rolled left before the layers and rolled back after; positions, RoPE and the
@@ -23,7 +14,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .attention import Attention
 from .config import MiniMindConfig
+from .kv_cache import MiniMindCache
+from .rope import Rope
 
 
 class RMSNorm(nn.Module):
@@ -35,213 +29,6 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
-
-def rope_cos_sin(positions, head_dim, theta, dtype):
-    """positions (b, s) -> cos, sin (b, 1, s, d), Llama's layout (frequencies repeated twice).
-
-    Angles are computed in float32 as Llama does, or in float64 for a float64 model.
-    """
-    angle_dtype = torch.promote_types(dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=angle_dtype) / head_dim))
-    freqs = positions.to(angle_dtype)[..., None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate_half(x):
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    return x * cos + rotate_half(x) * sin
-
-
-class Rope:
-    """The rotary embedding of one forward call: rotates the new tokens, or any positions on demand.
-
-    Attention cores get q and k unrotated, so a core may store keys in another frame (ANN attention
-    keeps retrieved keys at capped distances, model/ann_attention.py).
-    """
-
-    def __init__(self, positions, head_dim, theta, dtype, cos_sin=None):
-        self.positions, self.head_dim, self.theta, self.dtype = positions, head_dim, theta, dtype
-        self.cos, self.sin = cos_sin or rope_cos_sin(positions, head_dim, theta, dtype)
-
-    def slice(self, begin, end):
-        """The Rope of new tokens begin .. end-1 of this one's, sharing its cos/sin."""
-        cos_sin = (self.cos[:, :, begin:end], self.sin[:, :, begin:end])
-        return Rope(self.positions[:, begin:end], self.head_dim, self.theta, self.dtype, cos_sin)
-
-    def moved(self, positions):
-        """The Rope of other positions (b, s) with this one's frequencies."""
-        return Rope(positions, self.head_dim, self.theta, self.dtype)
-
-    def __call__(self, x):
-        """x (b, heads, s, d) of the new tokens, rotated at their positions."""
-        return apply_rope(x, self.cos, self.sin)
-
-    def at(self, x, positions):
-        """x (b, ..., s, d) rotated at positions (b, s)."""
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.dtype)
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 3) + cos.shape[-2:]
-        return apply_rope(x, cos.view(shape), sin.view(shape))
-
-
-def with_capacity(buffer, like, needed, minimum=0, granularity=1):
-    """buffer (b, x, capacity, d), or None, with room for `needed` rows on dim 2 (doubling).
-
-    A new buffer shaped like `like` keeps the old contents; capacity is a multiple of granularity.
-    """
-    if buffer is not None and buffer.shape[2] >= needed:
-        return buffer
-    capacity = max(needed, minimum, 0 if buffer is None else 2 * buffer.shape[2])
-    capacity = -(-capacity // granularity) * granularity
-    grown = like.new_zeros(*like.shape[:2], capacity, like.shape[3])
-    if buffer is not None:
-        grown[:, :, : buffer.shape[2]] = buffer
-    return grown
-
-
-class KVBuffer:
-    """Keys and values of one layer for a batch, stored per sequence from position 0.
-
-    k, v: (b, hkv, capacity, d); capacity grows by doubling so appends are amortised O(1), starts
-    at `reserve` when the final length is known (no copies at all then), and is a multiple of
-    `granularity` so block-structured readers can view it without copying.
-    """
-
-    def __init__(self, reserve=0, granularity=1):
-        self.k = None
-        self.v = None
-        self.last_inputs = None  # (b, n, hidden): each row's last n real tokens' attention inputs, for token shift
-        self.reserve = reserve
-        self.granularity = granularity
-
-    def write(self, k_new, v_new, starts):
-        """Store k_new/v_new (b, hkv, s, d) at positions starts[i] .. starts[i] + s - 1 of sequence i."""
-        b, hkv, s, d = k_new.shape
-        end = int(starts.max()) + s
-        self.k = with_capacity(self.k, k_new, end, max(self.reserve, 256), self.granularity)
-        self.v = with_capacity(self.v, v_new, end, max(self.reserve, 256), self.granularity)
-        if bool((starts == starts[0]).all()):
-            start = int(starts[0])
-            self.k[:, :, start : start + s] = k_new
-            self.v[:, :, start : start + s] = v_new
-        else:
-            index = (starts[:, None] + torch.arange(s, device=starts.device))[:, None, :, None].expand(b, hkv, s, d)
-            self.k.scatter_(2, index, k_new)
-            self.v.scatter_(2, index, v_new)
-        return end
-
-    def append(self, k_new, v_new, starts):
-        """Write the new keys/values and return views of everything stored, (b, hkv, t, d) each."""
-        end = self.write(k_new, v_new, starts)
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-def dense_attention(q, keys, values, starts):
-    """Causal attention of q (b, h, s, d) at positions starts + i over keys/values (b, hkv, t, d).
-
-    starts None means the s queries and keys are one sequence from position 0 (is_causal SDPA).
-    Decoding (s == 1) folds the query heads of each KV group into the query axis instead of
-    repeating the whole cache per head, which would cost O(t) copies per token; longer chunks
-    repeat the keys once and share one (b, 1, s, t) mask across heads.
-    """
-    b, h, s, d = q.shape
-    kv_heads = keys.shape[1]
-    groups = h // kv_heads
-    if s == 1 and starts is not None:
-        mask = None
-        if not bool((starts == keys.shape[2] - 1).all()):
-            mask = (torch.arange(keys.shape[2], device=q.device)[None, :] <= starts[:, None])[:, None, None]
-        folded = q.reshape(b, kv_heads, groups, d)
-        return F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask).view(b, h, 1, d)
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    if starts is None or (bool((starts == 0).all()) and keys.shape[2] == s):
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-    query_positions = starts[:, None] + torch.arange(s, device=q.device)
-    visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= query_positions[:, :, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
-
-
-class DenseAttention:
-    """Causal softmax attention over every earlier key: the baseline every comparison is made against."""
-
-    def __init__(self, config):
-        pass
-
-    def new_layer_cache(self, reserve=0):
-        return KVBuffer(reserve)
-
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
-        q, k = rope(q), rope(k)
-        if layer_cache is not None:
-            k, v = layer_cache.append(k, v, starts)
-        return dense_attention(q, k, v, starts)
-
-
-def build_attention_core(config):
-    if config.attn_impl == "ann":
-        from .ann_attention import AnnAttention
-
-        return AnnAttention(config)
-    return DenseAttention(config)
-
-
-class Attention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        # Token shift (smeared keys, Olsson et al., 2022): a key also reads its key_shift previous
-        # tokens (a query its query_shift previous tokens) with learned per-channel weights, zero at
-        # the start, so one layer can match "the token after X" (after "X Y" with two) and copying
-        # circuits form in hundreds of steps instead of needing a previous-token head to compose with.
-        self.k_shift = nn.Parameter(torch.zeros(config.key_shift, config.hidden_size)) if config.key_shift else None
-        self.q_shift = nn.Parameter(torch.zeros(config.query_shift, config.hidden_size)) if config.query_shift else None
-        self.num_shifted = max(config.key_shift, config.query_shift)
-        self.core = build_attention_core(config)
-
-    def forward(self, x, rope, starts, ends, layer_cache):
-        b, s, _ = x.shape
-        previous = previous_inputs(x, starts, ends, layer_cache, self.num_shifted) if self.num_shifted else None
-        query_input, key_input = with_previous(x, self.q_shift, previous), with_previous(x, self.k_shift, previous)
-        q = self.q_proj(query_input).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(key_input).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = self.core(q, k, v, starts, ends, layer_cache, rope)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-def previous_inputs(x, starts, ends, layer_cache, count):
-    """x (b, s, c) -> [each token's j-th previous token's input (b, s, c), j = 1 .. count]; zeros before position 0.
-
-    With a cache, the first new tokens' previous inputs are the ones the cache kept from the last
-    call, and this call's last `count` real tokens (ending at ends - starts - 1) are kept for the next.
-    """
-    b, s, c = x.shape
-    carried = None if layer_cache is None else layer_cache.last_inputs
-    history = torch.cat([x.new_zeros(b, count, c) if carried is None else carried, x], dim=1)  # (b, count + s, c)
-    if layer_cache is not None:
-        kept = ((ends - starts)[:, None] + torch.arange(count, device=x.device)).view(b, count, 1).expand(b, count, c)
-        layer_cache.last_inputs = history.gather(1, kept)
-    return [history[:, count - j : count - j + s] for j in range(1, count + 1)]
-
-
-def with_previous(x, weights, previous):
-    """x (b, s, c) plus weights[j] (c,) times the (j+1)-th previous input, for each row j of weights (n, c)."""
-    if weights is None:
-        return x
-    return x + sum(weight * earlier for weight, earlier in zip(weights, previous))
 
 
 class MLP(nn.Module):
@@ -275,17 +62,6 @@ class MiniMindModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class MiniMindCache:
-    """Everything generation keeps between calls: one cache per layer and each sequence's length."""
-
-    def __init__(self, layer_caches):
-        self.layers = layer_caches
-        self.lengths = None
-
-    def get_seq_length(self):
-        return 0 if self.lengths is None else int(self.lengths.max())
 
 
 def padding_offsets(attention_mask):

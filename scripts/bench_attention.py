@@ -35,7 +35,8 @@ import torch
 
 from model.ann_attention import AnnAttention
 from model.config import MiniMindConfig
-from model.model import DenseAttention, Rope
+from model.dense_attention import DenseAttention
+from model.rope import Rope
 from scripts.bench_common import (
     Extrapolator,
     PeakMemory,

@@ -8,7 +8,7 @@ here: this machine's speed drifts by up to 1.7x within minutes, and rows timed o
 other gave ratios that moved with it.
 
 Allocator. The scripts run with freed memory kept in the process (`--allocator retain`, as the
-trainers do: model/cpu_memory.py) or with the C library's defaults (`--allocator system`).
+trainers do: common/cpu_memory.py) or with the C library's defaults (`--allocator system`).
 
 Peak memory. On CPU a row runs in a fresh process forked from the script's parent, which has
 only imported the libraries (`run_in_fresh_process`); peak_mb is the growth of the process's
@@ -31,13 +31,13 @@ from pathlib import Path
 import faiss
 import torch
 
-from model.cpu_memory import retain_freed_memory
+from common.cpu_memory import retain_freed_memory
 
 
 def add_allocator_flag(parser):
     parser.add_argument(
         "--allocator", choices=("retain", "system"), default="retain",
-        help="retain: freed memory stays in the process for reuse, as in the trainers (model/cpu_memory.py); "
+        help="retain: freed memory stays in the process for reuse, as in the trainers (common/cpu_memory.py); "
         "system: the C library's defaults",
     )
 

@@ -32,9 +32,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from model.ann_attention import block_summaries, selection_queries
 from model.config import MiniMindConfig
-from model.retrieval import HnswRetriever, exact_select
+from model.hnsw import HnswRetriever
+from model.retrieval import block_summaries, exact_select, selection_queries
 from scripts.bench_common import (
     add_allocator_flag,
     apply_allocator,

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from model.config import ATTN_IMPLS, RETRIEVERS, MiniMindConfig
-from model.cpu_memory import retain_freed_memory
+from common.cpu_memory import retain_freed_memory
 from model.model import MiniMindForCausalLM, check_sampling
 from scripts.make_sample_data import preset_prompts
 

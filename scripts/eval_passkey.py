@@ -46,7 +46,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from model.config import ATTN_IMPLS, RETRIEVERS
-from model.cpu_memory import retain_freed_memory
+from common.cpu_memory import retain_freed_memory
 from scripts.eval_chat import OneLineParser, UsageError, load_model, resolve_load_path
 from scripts.make_sample_data import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_KEY_LINE, PASSKEY_QUESTION
 

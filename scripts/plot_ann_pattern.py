@@ -29,9 +29,9 @@ import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from model.ann_attention import block_summaries, far_mask, selection_queries, window_band
+from model.ann_attention import far_mask, window_band
 from model.config import BLOCK_SUMMARIES, MiniMindConfig
-from model.retrieval import candidate_count, exact_select
+from model.retrieval import block_summaries, candidate_count, exact_select, selection_queries
 
 FUTURE, SKIPPED, WINDOW, RETRIEVED = range(4)
 CATEGORY_COLOURS = ["#ffffff", "#e4e4e4", "#4c78a8", "#f58518"]

@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
 def read_texts(path):
     """Yield training texts from a .jsonl (text or conversations) or a plain text file (by paragraph)."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         if path.suffix != ".jsonl":
             # Paragraph-sized chunks keep the iterator's items small without splitting words.
             yield from (chunk for chunk in f.read().split("\n\n") if chunk.strip())

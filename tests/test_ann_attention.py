@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from model import ann_attention
+from model import ann_attention, retrieval
 from model.ann_attention import AnnAttention
-from model.model import KVBuffer, Rope, previous_inputs
+from model.attention import previous_inputs
+from model.kv_cache import KVBuffer
+from model.rope import Rope
 from model.retrieval import exact_select
 
 
@@ -391,8 +393,8 @@ def test_bounds_summary_finds_a_block_by_its_one_matching_key(summary):
     keys = 0.5 * query + 0.05 * torch.randn(num_blocks * block_size, d, generator=generator, dtype=torch.float64)
     keys[needle * block_size : (needle + 1) * block_size] -= query
     keys[needle * block_size + 7] = 3 * query
-    summaries = ann_attention.block_summaries(keys[None, None], 0, num_blocks, block_size, summary)
-    selecting = ann_attention.selection_queries(query.expand(1, 4, 1, d), 1, summary)
+    summaries = retrieval.block_summaries(keys[None, None], 0, num_blocks, block_size, summary)
+    selecting = retrieval.selection_queries(query.expand(1, 4, 1, d), 1, summary)
     block_ids, valid = exact_select(selecting, summaries, torch.tensor([[num_blocks]]), top_n=num_blocks)
     ranking = block_ids[0, 0, 0][valid[0, 0, 0]].tolist()
     assert ranking.index(needle) == (0 if summary == "bounds" else num_blocks - 1)

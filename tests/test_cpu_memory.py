@@ -1,4 +1,4 @@
-"""model/cpu_memory.py: freed memory stays in the process (glibc), and only when asked."""
+"""common/cpu_memory.py: freed memory stays in the process (glibc), and only when asked."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Prints how much of a freed 64 MB tensor the process still holds, in MB.
 PROBE = """
 import sys, torch
-from model.cpu_memory import retain_freed_memory
+from common.cpu_memory import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def rss_mb():

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from model.model import Rope, rope_cos_sin
+from model.rope import Rope, rope_cos_sin
 
 TOLERANCE = 1e-4
 

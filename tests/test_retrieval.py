@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from model import MiniMindConfig
-from model.retrieval import AutoRetriever, HnswRetriever, build_retriever, candidate_count, exact_select
+from model.hnsw import HnswRetriever
+from model.retrieval import AutoRetriever, build_retriever, candidate_count, exact_select
 
 
 def structured_summaries(num_blocks, dim=32, topics=12, seed=0):
@@ -102,7 +103,7 @@ def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
     """HNSW's neighbour pruning can leave a distinct vector with no incoming edge (the passkey's block
     among filler, in a trained model); no search reaches it. Cut every edge into the best block: the
     graph alone misses it, the orphan list finds it, and a block the graph does reach is not doubled."""
-    from model.retrieval import MipsHnsw
+    from model.hnsw import MipsHnsw
     import faiss
 
     queries, summaries = structured_summaries(200, dim=16)
@@ -130,7 +131,7 @@ def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
 
 def test_near_duplicate_chains_in_one_add_share_a_node():
     """a ~ b and b ~ c within the tolerance, a and c not: added at once, all three join a's node."""
-    from model.retrieval import MipsHnsw
+    from model.hnsw import MipsHnsw
 
     base = np.zeros(4, dtype=np.float32)
     base[0] = 10.0

@@ -39,8 +39,9 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import DataFormatError, resolve_data_path
 from model.config import MAX_TOKEN_SHIFT, MiniMindConfig
-from model.cpu_memory import retain_freed_memory
-from model.model import Attention, MiniMindForCausalLM
+from common.cpu_memory import retain_freed_memory
+from model.attention import Attention
+from model.model import MiniMindForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_KEYS = ("model", "config", "optimizer", "scaler", "state", "rng", "args")

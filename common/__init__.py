@@ -1,0 +1,1 @@
+"""Helpers every entry point shares: one-line usage errors, the CPU allocator setting."""

@@ -1,0 +1,66 @@
+"""Key/value storage for generation: a growable per-layer buffer and the whole model's cache."""
+
+import torch
+
+
+def with_capacity(buffer, like, needed, minimum=0, granularity=1):
+    """buffer (b, x, capacity, d), or None, with room for `needed` rows on dim 2 (doubling).
+
+    A new buffer shaped like `like` keeps the old contents; capacity is a multiple of granularity.
+    """
+    if buffer is not None and buffer.shape[2] >= needed:
+        return buffer
+    capacity = max(needed, minimum, 0 if buffer is None else 2 * buffer.shape[2])
+    capacity = -(-capacity // granularity) * granularity
+    grown = like.new_zeros(*like.shape[:2], capacity, like.shape[3])
+    if buffer is not None:
+        grown[:, :, : buffer.shape[2]] = buffer
+    return grown
+
+
+class KVBuffer:
+    """Keys and values of one layer for a batch, stored per sequence from position 0.
+
+    k, v: (b, hkv, capacity, d); capacity grows by doubling so appends are amortised O(1), starts
+    at `reserve` when the final length is known (no copies at all then), and is a multiple of
+    `granularity` so block-structured readers can view it without copying.
+    """
+
+    def __init__(self, reserve=0, granularity=1):
+        self.k = None
+        self.v = None
+        self.last_inputs = None  # (b, n, hidden): each row's last n real tokens' attention inputs, for token shift
+        self.reserve = reserve
+        self.granularity = granularity
+
+    def write(self, k_new, v_new, starts):
+        """Store k_new/v_new (b, hkv, s, d) at positions starts[i] .. starts[i] + s - 1 of sequence i."""
+        b, hkv, s, d = k_new.shape
+        end = int(starts.max()) + s
+        self.k = with_capacity(self.k, k_new, end, max(self.reserve, 256), self.granularity)
+        self.v = with_capacity(self.v, v_new, end, max(self.reserve, 256), self.granularity)
+        if bool((starts == starts[0]).all()):
+            start = int(starts[0])
+            self.k[:, :, start : start + s] = k_new
+            self.v[:, :, start : start + s] = v_new
+        else:
+            index = (starts[:, None] + torch.arange(s, device=starts.device))[:, None, :, None].expand(b, hkv, s, d)
+            self.k.scatter_(2, index, k_new)
+            self.v.scatter_(2, index, v_new)
+        return end
+
+    def append(self, k_new, v_new, starts):
+        """Write the new keys/values and return views of everything stored, (b, hkv, t, d) each."""
+        end = self.write(k_new, v_new, starts)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class MiniMindCache:
+    """Everything generation keeps between calls: one cache per layer and each sequence's length."""
+
+    def __init__(self, layer_caches):
+        self.layers = layer_caches
+        self.lengths = None
+
+    def get_seq_length(self):
+        return 0 if self.lengths is None else int(self.lengths.max())
