@@ -127,6 +127,25 @@ def test_pretrain_item_ends_with_a_labelled_endoftext_then_ignored_padding(tmp_p
     assert data.report()["truncated"] == 0
 
 
+@pytest.mark.parametrize("line_end", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+@pytest.mark.parametrize("bom", [b"", lm_dataset.UTF8_BOM], ids=["no_bom", "bom"])
+@pytest.mark.parametrize("schema", ["pretrain", "sft"])
+def test_windows_saved_file_reads_like_a_plain_one(tmp_path, tokenizer, schema, bom, line_end):
+    """A UTF-8 BOM before the first line and CRLF line ends (Windows tools) change nothing read."""
+    records = [{"text": "The capital of Zorvia is Talen."}, {"text": "佐维亚的首都是塔伦。"}]
+    if schema == "sft":
+        records = [SINGLE_TURN, MULTI_TURN]
+    dataset_class = PretrainDataset if schema == "pretrain" else SFTDataset
+    plain = write_lines(tmp_path / "plain.jsonl", records)
+    saved = tmp_path / "saved.jsonl"
+    saved.write_bytes(bom + b"".join(json.dumps(r, ensure_ascii=False).encode() + line_end for r in records))
+    expected, got = dataset_class(plain, tokenizer, max_length=64), dataset_class(saved, tokenizer, max_length=64)
+    assert len(got) == len(expected) == 2
+    for i in range(2):
+        for want, have in zip(expected[i], got[i]):
+            assert torch.equal(want, have)
+
+
 def test_pretrain_long_document_is_cut_and_counted(tmp_path, tokenizer):
     text = "one two three four five six seven eight nine ten " * 5
     data = PretrainDataset(write_lines(tmp_path / "pre.jsonl", [{"text": text}]), tokenizer, max_length=16)

@@ -1,0 +1,100 @@
+"""The tree's architecture: no import cycles, scripts import library code and never each other."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("model", "common", "dataset", "trainer", "evaluation", "benchmarks", "scripts")
+LIBRARIES = ("model", "common", "dataset", "evaluation")  # importable code that no entry point owns
+ENTRY_POINTS = ("scripts", "benchmarks", "trainer")
+
+
+def module_names():
+    """{dotted module name: path} of every Python file in the repo's packages."""
+    names = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imported_modules(name, path, known):
+    """The repo modules that module `name` imports anywhere in its body (lazy imports included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = module_names()
+    return {name: imported_modules(name, path, known) for name, path in known.items()}
+
+
+def test_the_import_graph_has_no_cycle(graph):
+    state = {}  # name -> "open" while on the DFS stack, "done" after
+
+    def visit(name, stack):
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycle = stack[stack.index(target):] + [target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, stack + [target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def allowed_entry_point_import(name, target):
+    """Scripts and stage scripts are never imported; benchmarks share only benchmarks.common."""
+    if target.startswith("scripts.") or target.startswith("trainer.train_"):
+        return False
+    return not target.startswith("benchmarks.") or target == "benchmarks.common"
+
+
+@pytest.mark.parametrize("package", ENTRY_POINTS)
+def test_entry_points_import_library_code_never_another_entry_point(graph, package):
+    for name, targets in graph.items():
+        if name.split(".")[0] == package:
+            wrong = sorted(t for t in targets if not allowed_entry_point_import(name, t))
+            assert not wrong, f"{name} imports {wrong}: scripts import library code, never each other"
+
+
+@pytest.mark.parametrize("package", LIBRARIES)
+def test_libraries_never_import_entry_points(graph, package):
+    for name, targets in graph.items():
+        if name.split(".")[0] == package:
+            wrong = sorted(t for t in targets if t.split(".")[0] in ENTRY_POINTS)
+            assert not wrong, f"{name} imports {wrong}: library code must not depend on scripts or trainers"
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = [name for name in module_names() if name.split(".")[0] in LIBRARIES + ENTRY_POINTS]
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    result = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
