@@ -19,7 +19,6 @@ In chat mode, `/set temperature 0.5` (also top_p, top_k, max_new_tokens) changes
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
 
-import argparse
 import sys
 import time
 from collections import deque
@@ -29,33 +28,19 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from model.config import ATTN_IMPLS, RETRIEVERS, MiniMindConfig
+from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from model.model import MiniMindForCausalLM, check_sampling
-from scripts.make_sample_data import preset_prompts
+from evaluation.chat import PromptBuilder, preset_prompts
+from evaluation.loading import check_device, load_model, resolve_load_path
+from model.config import ATTN_IMPLS, RETRIEVERS
+from model.model import check_sampling
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_TOKENIZER = REPO_ROOT / "model" / "tokenizer"
-DEFAULT_MODELS = (Path("out/sft/model"), Path("out/pretrain/model"))
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int}
-PLACEHOLDER = "\x00MESSAGE\x00"  # stands in for the user's message when the template is split around it
-
-
-class UsageError(Exception):
-    """Bad arguments or nothing to load: one line on stderr, exit code 2."""
 
 
 # ----------------------------------------------------------------------------- command line
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Reports a bad flag in the same one-line form as every other usage error."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
 
 
 def parse_args(argv=None):
@@ -88,123 +73,7 @@ def validate_args(args):
         raise UsageError(str(error)) from None
     if args.history_turns < 0:
         raise UsageError(f"--history_turns must be >= 0, got {args.history_turns}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device} requested but CUDA is not available")
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def resolve_load_path(load):
-    """The saved model folder or checkpoint file that --load names."""
-    if load is None:
-        for folder in DEFAULT_MODELS:
-            if (folder / "config.json").is_file():
-                return folder
-        raise UsageError(f"no trained model found ({' or '.join(map(str, DEFAULT_MODELS))}); train one "
-                         "(trainer/train_pretrain.py, trainer/train_full_sft.py) or pass --load")
-    path = Path(load)
-    if path.is_file():
-        return path
-    if (path / "config.json").is_file():
-        return path
-    if (path / "model" / "config.json").is_file():
-        return path / "model"
-    checkpoints = sorted((path / "checkpoints").glob("step_*.pt"), reverse=True)
-    if checkpoints:
-        return checkpoints[0]
-    raise UsageError(f"--load {load}: not a model folder, an out dir or a checkpoint file")
-
-
-def config_from_checkpoint(payload, path):
-    """The model config the checkpoint was trained with (stored next to the weights)."""
-    if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
-        raise UsageError(f"--load {path}: not a training checkpoint (no 'model' and 'config' entries)")
-    try:
-        return MiniMindConfig.from_dict(payload["config"])
-    except ValueError as error:
-        raise UsageError(f"--load {path}: invalid model config in the checkpoint ({error})") from None
-
-
-def load_model(path, attn, retrieval, device):
-    """(model in eval mode, tokenizer) from a model folder or a checkpoint, with attention overrides."""
-    try:
-        if path.is_dir():
-            config = MiniMindConfig.from_pretrained(path)
-            tokenizer_dir = path if (path / "tokenizer.json").is_file() else SHIPPED_TOKENIZER
-        else:
-            payload = torch.load(path, map_location="cpu", weights_only=False)
-            config = config_from_checkpoint(payload, path)
-            recorded = Path(payload["args"].get("tokenizer_path", ""))
-            tokenizer_dir = recorded if (recorded / "tokenizer.json").is_file() else SHIPPED_TOKENIZER
-        if attn is not None:
-            config.attn_impl = attn
-        if retrieval is not None:
-            config.ann_retrieval = retrieval
-        config.validate_settings()
-        if path.is_dir():
-            model = MiniMindForCausalLM.from_pretrained(path, config=config)
-        else:
-            model = MiniMindForCausalLM(config)
-            model.load_state_dict(payload["model"])
-    except UsageError:
-        raise
-    except Exception as error:  # unreadable file, wrong format, shapes that do not match the config
-        raise UsageError(f"--load {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from None
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return model.to(device).eval(), tokenizer
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-class PromptBuilder:
-    """Token ids of the next prompt from the system prompt, history and message, cut to fit the context."""
-
-    def __init__(self, tokenizer, raw, system, max_context):
-        self.tokenizer, self.raw, self.system, self.max_context = tokenizer, raw, system, max_context
-
-    def encode(self, text):
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def around_message(self, history):
-        """(ids before the message, ids after it): the template split at the message."""
-        if self.raw:
-            return [self.tokenizer.bos_token_id], []
-        messages = [{"role": "system", "content": self.system}] if self.system else []
-        for user, assistant in history:
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        messages.append({"role": "user", "content": PLACEHOLDER})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        before, after = text.split(PLACEHOLDER)
-        return self.encode(before), self.encode(after)
-
-    def build(self, message, history, max_new_tokens):
-        """(prompt ids, notes for the user); history: (user, assistant) pairs, oldest first.
-
-        The answer's max_new_tokens are reserved, so prompt and answer together fit max_context.
-        """
-        budget = self.max_context - max_new_tokens
-        message_ids, history, notes = self.encode(message), list(history), []
-        before, after = self.around_message(history)
-        dropped = 0
-        while history and len(before) + len(message_ids) + len(after) > budget:
-            history.pop(0)
-            dropped += 1
-            before, after = self.around_message(history)
-        if dropped:
-            notes.append(f"dropped the {dropped} oldest exchange(s) to fit the context")
-        room = budget - len(before) - len(after)
-        if room < 1:
-            raise UsageError(
-                f"no room for a prompt: of max_context {self.max_context} tokens, max_new_tokens reserves "
-                f"{max_new_tokens} for the answer and the template/system prompt take {len(before) + len(after)}"
-            )
-        if len(message_ids) > room:
-            notes.append(f"prompt too long: kept its last {room} of {len(message_ids)} tokens "
-                         f"(max_context {self.max_context} - max_new_tokens {max_new_tokens} leaves {budget})")
-            message_ids = message_ids[-room:]
-        return before + message_ids + after, notes
+    check_device(args.device)
 
 
 # ----------------------------------------------------------------------------- generation

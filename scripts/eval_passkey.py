@@ -6,8 +6,8 @@
     python scripts/eval_passkey.py --load out/long_dense --trials 10 --lang zh
 
 The prompt is the Landmark Attention passkey test, worded exactly like the documents of
-dataset/sample/passkey_long.jsonl (scripts/make_sample_data.py): the instruction, the filler
-repeated, the key line at the requested depth, more filler, then the question:
+dataset/sample/passkey_long.jsonl (both come from evaluation/passkey.py): the instruction, the
+filler repeated, the key line at the requested depth, more filler, then the question:
 
     There is an important info hidden ... The grass is green. ... There and back again. ...
     The pass key is 71432. Remember it. 71432 is the pass key. The grass is green. ...
@@ -19,7 +19,7 @@ the depth (0 = right after the instruction, 1 = right before the question) is a 
 Generation goes through model.stream_generate, which prefills the prompt through the KV cache in
 --prefill_chunk tokens at a time, so memory stays bounded at 64k-131k tokens.
 
---load takes what scripts/eval_chat.py takes (model folder, out dir or checkpoint .pt), and
+--load takes a model folder, an out dir or a checkpoint .pt (evaluation/loading.py), and
 --attn/--retrieval switch the same weights between dense and ANN attention.
 --json PATH writes {"config", "rows", "peak_rss_mb"} and a plot next to it (PATH with .png).
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
@@ -27,11 +27,9 @@ Exit codes: 0 done, 2 bad arguments or nothing loadable.
 
 import json
 import random
-import re
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -45,100 +43,13 @@ import numpy as np
 import torch
 from transformers.utils import logging as transformers_logging
 
-from model.config import ATTN_IMPLS, RETRIEVERS
+from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from scripts.eval_chat import OneLineParser, UsageError, load_model, resolve_load_path
-from scripts.make_sample_data import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_KEY_LINE, PASSKEY_QUESTION
+from evaluation.loading import check_device, load_model, resolve_load_path
+from evaluation.passkey import PASSKEY_TEXTS, build_prompt, digits_right, parse_answer, random_key
+from model.config import ATTN_IMPLS, RETRIEVERS
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-@dataclass(frozen=True)
-class PasskeyTexts:
-    intro: str
-    filler: str
-    key_line: str  # formatted with key=...
-    question: str
-    joiner: str  # between the parts: a space in English, nothing in Chinese
-
-
-PASSKEY_TEXTS = {
-    "en": PasskeyTexts(
-        intro=PASSKEY_INTRO,
-        filler=PASSKEY_FILLER,
-        key_line=PASSKEY_KEY_LINE,
-        question=PASSKEY_QUESTION,
-        joiner=" ",
-    ),
-    "zh": PasskeyTexts(
-        intro="在大量无关的文字中藏着一条重要信息。找到它并记住它。我会就其中的重要信息考你。",
-        filler="草是绿的。天是蓝的。太阳是黄的。我们出发吧。去了又回来。",
-        key_line="通行密钥是{key}。记住它。{key}是通行密钥。",
-        question="通行密钥是什么？通行密钥是",
-        joiner="",
-    ),
-}
-
-
-# ----------------------------------------------------------------------------- prompts and answers
-
-
-def filler_sentences(texts):
-    """The filler split into its sentences, so a prompt can stop mid-filler on a sentence boundary."""
-    return [sentence for sentence in re.split(r"(?<=[.。])\s*", texts.filler) if sentence]
-
-
-def prompt_text(texts, num_sentences, key_after, key):
-    """Instruction, num_sentences filler sentences with the key line after the first key_after, question."""
-    sentences = filler_sentences(texts)
-    filler = [sentences[i % len(sentences)] for i in range(num_sentences)]
-    parts = [texts.intro, *filler[:key_after], texts.key_line.format(key=key), *filler[key_after:], texts.question]
-    return texts.joiner.join(parts)
-
-
-def build_prompt(tokenizer, length, depth, key, lang="en"):
-    """Token ids of a passkey prompt of about `length` tokens with the key line at `depth` (0..1).
-
-    Whole filler sentences are added or removed until the prompt is as close to `length` as they
-    allow (within half a sentence, ~3 tokens); the key line goes after round(depth * sentences).
-    """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    texts = PASSKEY_TEXTS[lang]
-
-    def encode(num_sentences):
-        text = prompt_text(texts, num_sentences, round(depth * num_sentences), key)
-        # verbose=False: the tokenizer would warn that prompts longer than its nominal limit overflow.
-        return tokenizer(text, add_special_tokens=False, verbose=False).input_ids
-
-    shortest = len(encode(0))
-    if length < shortest:
-        raise ValueError(f"a {lang} passkey prompt needs at least {shortest} tokens, asked for {length}")
-    cycle = len(filler_sentences(texts))
-    tokens_per_sentence = (len(encode(cycle)) - shortest) / cycle
-    num_sentences = round((length - shortest) / tokens_per_sentence)
-    ids = encode(num_sentences)
-    # The estimate is off by a sentence or two at most; walk to the closest count.
-    step = 1 if len(ids) < length else -1
-    while num_sentences + step >= 0:
-        candidate = encode(num_sentences + step)
-        if abs(len(candidate) - length) >= abs(len(ids) - length):
-            break
-        num_sentences, ids = num_sentences + step, candidate
-    return ids
-
-
-def parse_answer(text):
-    """The first integer in the text (digits may touch letters), or None."""
-    match = re.search(r"\d+", text)
-    return int(match.group()) if match else None
-
-
-def digits_right(key, text):
-    """How many of the key's digits the answer (its first integer) has at the same place: tells a
-    model that misses one digit from one that retrieves nothing."""
-    answer = parse_answer(text)
-    return 0 if answer is None else sum(a == b for a, b in zip(str(key), str(answer)))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -182,7 +93,7 @@ def evaluate(model, tokenizer, lengths, depths, args):
         if length > config.max_position_embeddings:
             print(f"note: {length} tokens is beyond the model's {config.max_position_embeddings} positions")
         for depth in depths:
-            key = rng.randint(10000, 99999)
+            key = random_key(rng)
             prompt_ids = build_prompt(tokenizer, length, depth, key, args.lang)
             text, prefill_s, total_s = run_trial(model, tokenizer, prompt_ids, args.prefill_chunk,
                                                  args.max_new_tokens)
@@ -273,8 +184,7 @@ def validate_args(args):
         raise UsageError("--prefill_chunk must be >= 0 and --max_new_tokens > 0")
     if args.threads is not None and args.threads <= 0:
         raise UsageError(f"--threads must be positive, got {args.threads}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device} requested but CUDA is not available")
+    check_device(args.device)
 
 
 def trial_depths(args):

@@ -3,7 +3,7 @@
 The data describes a tiny invented world (countries, capitals, people) plus
 small arithmetic, in English and Chinese. The fact set is small on purpose:
 a ~4M-parameter model can memorise it in a few CPU minutes, so a chat demo
-can be judged on whether the answers are right (see `preset_prompts()`).
+can be judged on whether the answers are right (evaluation/chat.py's `preset_prompts()`).
 
 Writes three JSONL files into --out_dir:
   pretrain_hq.jsonl    {"text": ...}                       facts, stories, sums
@@ -11,6 +11,8 @@ Writes three JSONL files into --out_dir:
   passkey_long.jsonl   {"text": ...}                       long-context passkey docs
   passkey_train.jsonl  {"text": ...}                       with --passkey_training_docs N: the
                                                            long-context recipe's training mix
+The passkey documents' wording and layout come from evaluation/passkey.py, which the passkey
+evaluation asks in too.
 
 Usage:
   python scripts/make_sample_data.py --out_dir dataset/sample [--seed 0] [--scale 1.0]
@@ -18,7 +20,13 @@ Usage:
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evaluation.passkey import make_passkey, make_passkey_training
 
 # ---------------------------------------------------------------------------
 # The world. Every fact the model can be quizzed on lives here.
@@ -65,12 +73,6 @@ SYSTEM_PROMPTS = [
     "你是MiniMind，一个乐于助人的助手。",
     "你是一个有用的助手，请简短回答。",
 ]
-
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
-                 "Find it and memorize them. I will quiz you about the important information there.")
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PASSKEY_KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "What is the pass key? The pass key is"
 
 
 def zh_number(n):
@@ -328,67 +330,6 @@ def make_sft(rng, num_extra_conversations):
         conversations.append(conversation(rng, [random_pair(chinese) for _ in range(num_turns)]))
     rng.shuffle(conversations)
     return conversations
-
-
-def preset_prompts():
-    """Chat prompts whose answers are in the sample data: (prompt, expected answer substring)."""
-    return [
-        ("What is the capital of Zorvia?", "Talen"),
-        ("佐维亚的首都是哪里？", "塔伦"),
-        ("How old is Ana?", "23"),
-        ("安娜是做什么工作的？", "老师"),
-        ("What is 3 + 5?", "3 + 5 = 8"),
-        ("三加五等于几？", "三加五等于八"),
-    ]
-
-
-# ---------------------------------------------------------------------------
-# Passkey retrieval documents (Landmark Attention format) for long-context training.
-
-def passkey_document(rng, num_fillers, num_questions=1):
-    """Intro, fillers, the key line at a random depth, more fillers, the question and its answer.
-
-    With num_questions > 1 the question (and answer) also comes earlier, at random points among
-    the fillers after the key line; the document still ends with it, as the evaluation's prompt does.
-    """
-    key = rng.randint(10000, 99999)
-    depth = rng.randint(0, num_fillers)
-    after_key = num_fillers - depth
-    earlier_questions = sorted(rng.randint(0, after_key) for _ in range(num_questions - 1))
-    parts = [PASSKEY_INTRO] + [PASSKEY_FILLER] * depth + [PASSKEY_KEY_LINE.format(key=key)]
-    fillers_so_far = 0
-    for at in earlier_questions + [after_key]:
-        parts += [PASSKEY_FILLER] * (at - fillers_so_far) + [f"{PASSKEY_QUESTION} {key}."]
-        fillers_so_far = at
-    return " ".join(parts)
-
-
-def make_passkey(rng, num_docs, min_fillers=4, max_fillers=31):
-    # The filler is ~29 tokens and the rest ~95, so 4..31 fillers give roughly 200..1000-token documents.
-    for _ in range(num_docs):
-        yield {"text": passkey_document(rng, rng.randint(min_fillers, max_fillers))}
-
-
-def make_passkey_training(rng, num_docs, drill_fraction=0.4, max_fillers=10, max_questions=1):
-    """The long-context recipe's data (scripts/train_long_context.sh): passkey documents of 0 ..
-    max_fillers fillers (~100-420 tokens) that ask for the key 1 .. max_questions times, mixed with
-    drills of 2-6 keys, each asked right away.
-
-    A drill puts a copy target in every ~5th token, so the copying circuit forms in a few hundred
-    steps; the documents then teach fetching the key from beyond the window. Asking several times
-    multiplies the answers whose first digit must come from a retrieved block: with a 16-token
-    window that gave the recipe's model both halves of the copy (docs/LONG_CONTEXT.md), so the
-    recipe asks 1-4 times (max_questions 4).
-    """
-    for _ in range(num_docs):
-        if rng.random() < drill_fraction:
-            keys = [rng.randint(10000, 99999) for _ in range(rng.randint(2, 6))]
-            yield {"text": " ".join(f"{PASSKEY_KEY_LINE.format(key=key)} {PASSKEY_QUESTION} {key}." for key in keys)}
-        else:
-            num_fillers = rng.randint(0, max_fillers)
-            # No draw for the question count when it is fixed: the recipe's file stays what it was.
-            num_questions = rng.randint(1, max_questions) if max_questions > 1 else 1
-            yield {"text": passkey_document(rng, num_fillers, num_questions)}
 
 
 # ---------------------------------------------------------------------------

@@ -33,10 +33,13 @@ OUT=${OUT:-out}
 DEFAULT_DATA=dataset/sample/passkey_train.jsonl
 DATA=${DATA:-$DEFAULT_DATA}
 
-# The default file is (re)written when missing or older than its generator or this script, so it
-# is never stale. Its documents ask for their key 1-4 times: that teaches fetching the key's first
-# digit, the half the 16-token window alone left unlearned in one seed of two (docs/LONG_CONTEXT.md).
-if [ "$DATA" = "$DEFAULT_DATA" ] && { [ ! "$DATA" -nt scripts/make_sample_data.py ] || [ ! "$DATA" -nt scripts/train_long_context.sh ]; }; then
+# The default file is (re)written when missing or older than its generator (the script and the
+# passkey documents it writes) or this script, so it is never stale. Its documents ask for their key
+# 1-4 times: that teaches fetching the key's first digit, the half the 16-token window alone left
+# unlearned in one seed of two (docs/LONG_CONTEXT.md).
+stale() { for source in scripts/make_sample_data.py evaluation/passkey.py scripts/train_long_context.sh; do
+    [ "$DATA" -nt "$source" ] || return 0; done; return 1; }
+if [ "$DATA" = "$DEFAULT_DATA" ] && stale; then
     python scripts/make_sample_data.py --out_dir dataset/sample --passkey_training_docs 40000 --passkey_max_questions 4
 fi
 [ -f "$DATA" ] || { echo "DATA $DATA: file not found" >&2; exit 2; }

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from scripts import ablate_ann, plot_ann_pattern
+from benchmarks import ablate_ann
+from scripts import plot_ann_pattern
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

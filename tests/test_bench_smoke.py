@@ -13,8 +13,8 @@ import faiss
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from scripts import bench_retrieval
-from scripts.bench_common import Extrapolator, skip_reason
+from benchmarks import bench_retrieval
+from benchmarks.common import Extrapolator, skip_reason
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,7 +35,7 @@ def load_outputs(json_path):
 
 def test_bench_attention(tmp_path):
     json_path = tmp_path / "attention.json"
-    run_script(["scripts/bench_attention.py", "--lengths", "128", "256", "--decode_lengths", "256", "--repeats", "1",
+    run_script(["benchmarks/bench_attention.py", "--lengths", "128", "256", "--decode_lengths", "256", "--repeats", "1",
                 "--decode_steps", "2", "--threads", "1", "--json", str(json_path)])
     report = load_outputs(json_path)
     measured = {(row["impl"], row["mode"], row["seq_len"]) for row in report["rows"]}
@@ -63,7 +63,7 @@ def test_rows_are_skipped_when_their_extrapolated_cost_is_over_the_limits():
 
 def test_bench_train(tmp_path):
     json_path = tmp_path / "train.json"
-    run_script(["-m", "scripts.bench_train", "--lengths", "64", "128", "--tokens_per_step", "256", "--warmup", "1",
+    run_script(["-m", "benchmarks.bench_train", "--lengths", "64", "128", "--tokens_per_step", "256", "--warmup", "1",
                 "--steps", "1", "--threads", "1", "--json", str(json_path)])
     report = load_outputs(json_path)
     assert {(row["impl"], row["seq_len"]) for row in report["rows"]} == {
@@ -88,7 +88,7 @@ def check_retrieval_report(report, blocks, ef_values):
 
 def test_bench_retrieval_synthetic_keys(tmp_path):
     json_path = tmp_path / "retrieval.json"
-    out = run_script(["scripts/bench_retrieval.py", "--blocks", "64", "256", "--ef_sweep", "16",
+    out = run_script(["benchmarks/bench_retrieval.py", "--blocks", "64", "256", "--ef_sweep", "16",
                       "--decode_queries", "5", "--prefill_queries", "16", "--prefill_repeats", "1", "--threads", "1",
                       "--json", str(json_path)])
     check_retrieval_report(load_outputs(json_path), [64, 256], [64, 16])

@@ -1,5 +1,6 @@
-"""scripts/eval_chat.py: loading (folder, out dir, checkpoint), attention overrides, the three modes,
-streaming of multi-byte text, context truncation and the one-line errors.
+"""scripts/eval_chat.py: loading (folder, out dir, checkpoint: evaluation/loading.py, which refuses a
+checkpoint holding code), attention overrides, the three modes, streaming of multi-byte text,
+context truncation (evaluation/chat.py) and the one-line errors.
 
 Runs go in-process through main(argv) on a ~0.5M-parameter random model; one subprocess run checks
 the script starts as a file.
@@ -18,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from evaluation.chat import PromptBuilder, preset_prompts
 from model import MiniMindConfig, MiniMindForCausalLM
 from scripts import eval_chat
 from trainer import train_pretrain
@@ -77,10 +79,10 @@ def test_prompt_mode_answers_once_and_reports_speed(dense_dir, capsys, monkeypat
 def test_preset_mode_prints_every_prompt_and_a_score(ann_dir, capsys, monkeypatch):
     code, out, err = run(["--load", ann_dir, *SHORT], capsys, monkeypatch)
     assert code == 0, err
-    for prompt, _ in eval_chat.preset_prompts():
+    for prompt, _ in preset_prompts():
         assert f"👶: {prompt}" in out
-    assert len(answers(out)) == len(eval_chat.preset_prompts())
-    assert re.search(rf"^\d/{len(eval_chat.preset_prompts())} preset answers contain the expected text$", out, re.M)
+    assert len(answers(out)) == len(preset_prompts())
+    assert re.search(rf"^\d/{len(preset_prompts())} preset answers contain the expected text$", out, re.M)
 
 
 def test_chat_mode_survives_bad_input_and_exits_on_eof(dense_dir, capsys, monkeypatch):
@@ -142,6 +144,26 @@ def test_nothing_to_load_exits_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     code, _, err = run(["--load", tmp_path / "junk.pt", "--prompt", "hi"], capsys, monkeypatch)
     assert code == 2 and "junk.pt" in err and "Traceback" not in err
+
+
+class Planted:
+    """Unpickles as a call of open(path, "w"): what a crafted checkpoint could run when loaded in full."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_checkpoint_holding_code_is_refused_without_running_it(tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "ran"
+    checkpoint = tmp_path / "planted.pt"
+    torch.save({"model": {}, "config": {}, "args": {}, "planted": Planted(marker)}, checkpoint)
+    code, _, err = run(["--load", checkpoint, "--prompt", "hi"], capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1
+    assert f"--load {checkpoint}: UnpicklingError" in err
+    assert not marker.exists()
 
 
 def test_default_falls_back_to_the_pretrain_model(dense_dir, tmp_path, capsys, monkeypatch, tokenizer):
@@ -209,7 +231,7 @@ def test_streaming_prints_whole_characters_only(tokenizer):
 
 
 def test_prompt_builder_cuts_history_first_then_the_message_start(tokenizer):
-    builder = eval_chat.PromptBuilder(tokenizer, raw=False, system="Be brief.", max_context=60)
+    builder = PromptBuilder(tokenizer, raw=False, system="Be brief.", max_context=60)
     history = [("first question " * 3, "first answer"), ("second question", "second answer")]
     ids, notes = builder.build("new message", history, max_new_tokens=10)
     assert notes == ["dropped the 1 oldest exchange(s) to fit the context"]
@@ -218,7 +240,7 @@ def test_prompt_builder_cuts_history_first_then_the_message_start(tokenizer):
     ids, notes = builder.build("word " * 100 + "THE END", [], max_new_tokens=10)
     assert len(ids) == 50 and notes[0].startswith("prompt too long")
     assert tokenizer.decode(ids).endswith("THE END<|im_end|>\n<|im_start|>assistant\n")
-    raw_ids, _ = eval_chat.PromptBuilder(tokenizer, True, None, 60).build("Zorvia is", [], 10)
+    raw_ids, _ = PromptBuilder(tokenizer, True, None, 60).build("Zorvia is", [], 10)
     assert raw_ids == [tokenizer.bos_token_id] + tokenizer("Zorvia is", add_special_tokens=False).input_ids
 
 

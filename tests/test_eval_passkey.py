@@ -1,6 +1,6 @@
-"""scripts/eval_passkey.py: the prompt builder (length, key line, depth, Chinese), the answer parser,
-an in-process run on a ~0.1M-parameter random ANN model writing JSON and a plot, and the copying probe
-(scripts/probe_copying.py)."""
+"""The passkey task (evaluation/passkey.py: the prompt builder's length, key line, depth and Chinese,
+the answer parser), scripts/eval_passkey.py in-process on a ~0.1M-parameter random ANN model writing
+JSON and a plot, and the copying probe (evaluation/copying.py, scripts/probe_copying.py)."""
 
 import json
 import random
@@ -12,11 +12,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from evaluation import copying
+from evaluation.loading import load_model
+from evaluation.passkey import (
+    PASSKEY_FILLER,
+    PASSKEY_TEXTS,
+    build_prompt,
+    digits_right,
+    filler_sentences,
+    make_passkey,
+    parse_answer,
+)
 from model import MiniMindConfig, MiniMindForCausalLM
 from scripts import eval_passkey, probe_copying
-from scripts.eval_chat import load_model
-from scripts.eval_passkey import PASSKEY_TEXTS, build_prompt, digits_right, filler_sentences, parse_answer
-from scripts.make_sample_data import PASSKEY_FILLER, PASSKEY_INTRO, make_passkey
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KEY = 48213
@@ -37,10 +45,11 @@ def key_depth(text, lang):
     return filler_before / max(filler_before + filler_after, 1), filler_before + filler_after
 
 
-def test_english_wording_is_the_sample_datas():
-    texts = PASSKEY_TEXTS["en"]
-    assert (texts.intro, texts.filler) == (PASSKEY_INTRO, PASSKEY_FILLER)
-    assert " ".join(filler_sentences(texts)) == PASSKEY_FILLER
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_filler_sentences_rejoin_into_the_filler(lang):
+    texts = PASSKEY_TEXTS[lang]
+    sentences = filler_sentences(texts)
+    assert len(sentences) == 5 and texts.joiner.join(sentences) == texts.filler
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
@@ -138,7 +147,7 @@ def test_end_to_end_writes_json_and_png(tiny_model_dir, tmp_path, capsys, retrie
     for row in result["rows"]:
         assert {"length", "depth", "attn", "retrieval", "accuracy", "trials"} <= set(row)
         assert row["attn"] == "ann" and row["retrieval"] == retrieval and row["accuracy"] in (0.0, 1.0)
-        assert row["accuracy"] == float(eval_passkey.parse_answer(row["answer"]) == row["key"])
+        assert row["accuracy"] == float(parse_answer(row["answer"]) == row["key"])
         assert f"key {row['key']} -> {row['answer']!r}" in out
         assert abs(row["prompt_tokens"] - row["length"]) <= 4
     assert result["peak_rss_mb"] > 0
@@ -178,18 +187,18 @@ def test_runs_as_a_file():
 @pytest.mark.parametrize("key, expected", [("71432", [False] * 4), ("22429", [True, True, False, True]),
                                            ("43936", [False, True, False, True]), ("11111", [True] * 4)])
 def test_after_repeated_digit_marks_ambiguous_lookups(key, expected):
-    assert probe_copying.after_repeated_digit(key) == expected
+    assert copying.after_repeated_digit(key) == expected
 
 
 def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, capsys):
     model, tokenizer = load_model(tiny_model_dir, None, None, torch.device("cpu"))
     drill = "The pass key is 71432. Remember it. 71432 is the pass key. What is the pass key? The pass key is 71432."
-    [(answer, mention)] = probe_copying.answer_spans(drill)
+    [(answer, mention)] = copying.answer_spans(drill)
     assert drill[answer:answer + 5] == drill[mention:mention + 5] == "71432" and mention == drill.index("71432 is")
     question = "What is the pass key?"
     far = next(make_passkey(random.Random(0), 1))["text"].replace(question, "Filler. " * 40 + question)
-    [(beyond_drill, first, later, key)] = probe_copying.digit_losses(model, tokenizer, drill, window=32)
-    [(beyond_far, _, _, _)] = probe_copying.digit_losses(model, tokenizer, far, window=32)
+    [(beyond_drill, first, later, key)] = copying.digit_losses(model, tokenizer, drill, window=32)
+    [(beyond_far, _, _, _)] = copying.digit_losses(model, tokenizer, far, window=32)
     assert (beyond_drill, beyond_far, key) == (False, True, "71432")
     assert len(later) == 4 and all(loss > 0 for loss in [first, *later])
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12"]) == 0
@@ -199,7 +208,7 @@ def test_probe_copying_splits_answers_by_digit_and_distance(tiny_model_dir, caps
     assert probe_copying.main(["--load", str(tiny_model_dir), "--docs", "12", "--split", "200"]) == 0
     assert "<= 200 back" in capsys.readouterr().out
     # A longer split moves answers from far to near; none is lost.
-    by_window, by_200 = (probe_copying.probe(model, tokenizer, 12, 0, split) for split in (None, 200))
+    by_window, by_200 = (copying.probe(model, tokenizer, 12, 0, split) for split in (None, 200))
     answers = {table_name: {beyond: table[(beyond, "first")][1] for beyond in (False, True) if (beyond, "first") in table}
                for table_name, table in (("window", by_window), ("200", by_200))}
     assert sum(answers["window"].values()) == sum(answers["200"].values())

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.make_sample_data import PASSKEY_INTRO, make_passkey_training, preset_prompts
+from evaluation.chat import preset_prompts
+from evaluation.passkey import PASSKEY_INTRO, make_passkey_training
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FILES = ["pretrain_hq.jsonl", "sft_mini_512.jsonl", "passkey_long.jsonl"]

@@ -8,8 +8,8 @@ windows (the last --val_fraction of the tokens). Only the attention changes:
     W,B,n        ANN attention: window W, blocks of B keys, top n blocks retrieved (exact)
     ...@S        the same config from seed S (model init and data order), to measure seed noise
 
-    python scripts/ablate_ann.py --json docs/ann_ablation.json --png docs/ann_ablation.png
-    python scripts/ablate_ann.py --steps 20 --configs dense 64,16,4 --json /tmp/a.json --png /tmp/a.png
+    python benchmarks/ablate_ann.py --json docs/ann_ablation.json --png docs/ann_ablation.png
+    python benchmarks/ablate_ann.py --steps 20 --configs dense 64,16,4 --json /tmp/a.json --png /tmp/a.png
 
 tokens_per_s counts CPU seconds of this process (time.process_time), so on a machine shared with
 other jobs it still measures the model, not the neighbours; with --threads 1 it is what an idle
@@ -36,9 +36,9 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from evaluation.loading import SHIPPED_TOKENIZER
 from model import MiniMindConfig, MiniMindForCausalLM
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = [
     "dense", "64,16,0", "64,16,2", "64,16,4", "32,16,4", "128,16,4", "64,8,8", "64,32,2", "dense@1", "64,16,4@1",
 ]
@@ -91,7 +91,7 @@ def run_label(run):
 
 def load_tokens(path, val_fraction):
     transformers_logging.set_verbosity_error()  # the long-text warning is about the model, not tokenizing
-    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / "model" / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
     ids = torch.tensor(tokenizer(Path(path).read_text(encoding="utf-8"))["input_ids"], dtype=torch.long)
     split = int(len(ids) * (1 - val_fraction))
     return ids[:split], ids[split:], tokenizer.vocab_size

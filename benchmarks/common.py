@@ -1,4 +1,4 @@
-"""What the bench_*.py scripts share: threads, timing, peak memory, isolated rows, tables, JSON, plots.
+"""What the benchmarks/bench_*.py scripts share: threads, timing, peak memory, isolated rows, tables, JSON, plots.
 
 Timing. `time_interleaved` runs each implementation's warm-up calls (allocator, thread pools and
 lazy inits settle), then rounds of one timed call per implementation, until `repeats` rounds are

@@ -16,8 +16,8 @@ its GQA-summed queries; summaries are block means of B keys, and the queries at 
 ones that follow the first m blocks in the text. Without a model they are synthetic but shaped
 like real keys (see `synthetic_blocks`), not iid Gaussian, whose top-n is unrealistically easy.
 
-    python scripts/bench_retrieval.py --json docs/bench/retrieval_synthetic.json
-    python scripts/bench_retrieval.py --model out/pretrain/model --blocks 256 1024 4096 16384 \\
+    python benchmarks/bench_retrieval.py --json docs/bench/retrieval_synthetic.json
+    python benchmarks/bench_retrieval.py --model out/pretrain/model --blocks 256 1024 4096 16384 \\
         --model_tokens 270000 --json docs/bench/retrieval_model.json
 """
 
@@ -32,10 +32,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from model.config import MiniMindConfig
-from model.hnsw import HnswRetriever
-from model.retrieval import block_summaries, exact_select, selection_queries
-from scripts.bench_common import (
+from benchmarks.common import (
     add_allocator_flag,
     apply_allocator,
     format_table,
@@ -47,8 +44,11 @@ from scripts.bench_common import (
     time_calls,
     write_json,
 )
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from common.cli import UsageError
+from evaluation.loading import load_model, resolve_load_path
+from model.config import MiniMindConfig
+from model.hnsw import HnswRetriever
+from model.retrieval import block_summaries, exact_select, selection_queries
 
 
 def parse_args(argv=None):
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--min_recall", type=float, default=0.9, help="recall the recommended threshold must keep")
     p.add_argument("--kv_heads", type=int, default=2, help="synthetic keys")
     p.add_argument("--head_dim", type=int, default=64, help="synthetic keys")
-    p.add_argument("--model", default=None, help="a save_pretrained folder: use its keys and queries")
+    p.add_argument("--model", default=None, help="a model folder, out dir or checkpoint .pt: use its keys and queries")
     p.add_argument("--text", default="/work/shared/data/tinyshakespeare.txt")
     p.add_argument("--model_tokens", type=int, default=65536, help="tokens of --text run through the model")
     p.add_argument("--layer", type=int, default=None, help="default: the middle layer")
@@ -128,13 +128,7 @@ class RecordingCore:
 @torch.inference_mode()
 def model_keys(args):
     """(keys, group queries), each (1, g, t, d), of one layer over the first --model_tokens of --text."""
-    from transformers import AutoTokenizer
-
-    from model.model import MiniMindForCausalLM
-
-    model = MiniMindForCausalLM.from_pretrained(args.model).eval()
-    tokenizer_dir = args.model if (Path(args.model) / "tokenizer.json").exists() else REPO_ROOT / "model" / "tokenizer"
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model, tokenizer = load_model(resolve_load_path(args.model), None, None, torch.device("cpu"))
     text = Path(args.text).read_text(encoding="utf-8")
     token_ids = tokenizer(text)["input_ids"][: args.model_tokens]
     if len(token_ids) < args.model_tokens:
@@ -242,7 +236,11 @@ def main(argv=None):
     blocks = sorted(args.blocks)
     num_queries = args.decode_queries + args.prefill_queries
     if args.model:
-        keys, group_queries, config = model_keys(args)
+        try:
+            keys, group_queries, config = model_keys(args)
+        except UsageError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         block_size, window = config.ann_block_size, config.ann_window
         available = (keys.shape[2] - window - num_queries) // block_size
         if any(m > available for m in blocks):
@@ -310,4 +308,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,12 +13,12 @@ Modes:
               caches are reserved for the whole length up front, as model.generate reserves them.
 Each row's peak memory is measured in a fresh process of its own; the implementations of one
 (mode, length) are then timed together in one fresh process, taking turns call by call, so that
-their ratio is not at the mercy of the machine's drift (scripts/bench_common.py). A row is
+their ratio is not at the mercy of the machine's drift (benchmarks/common.py). A row is
 skipped, with the reason printed, when its memory or time extrapolated from the shorter rows of
 its series would exceed --mem_limit_gb or --max_row_s.
 
-    python scripts/bench_attention.py --json docs/bench/attention_cpu.json
-    python scripts/bench_attention.py --device cuda --dtype bfloat16 --json docs/bench/attention_cuda.json
+    python benchmarks/bench_attention.py --json docs/bench/attention_cpu.json
+    python benchmarks/bench_attention.py --device cuda --dtype bfloat16 --json docs/bench/attention_cuda.json
 """
 
 import argparse
@@ -33,11 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from model.ann_attention import AnnAttention
-from model.config import MiniMindConfig
-from model.dense_attention import DenseAttention
-from model.rope import Rope
-from scripts.bench_common import (
+from benchmarks.common import (
     Extrapolator,
     PeakMemory,
     add_allocator_flag,
@@ -54,10 +50,15 @@ from scripts.bench_common import (
     time_interleaved,
     write_json,
 )
+from common.cli import DTYPES
+from model.ann_attention import AnnAttention
+from model.config import MiniMindConfig
+from model.dense_attention import DenseAttention
+from model.rope import Rope
 
 IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
 MODES = ("fwd", "fwd_bwd", "decode")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv=None):
@@ -82,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill_chunk", type=int, default=2048, help="tokens per prefill call when building a cache")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--mem_limit_gb", type=float, default=16.0, help="skip rows estimated to need more")
     p.add_argument("--max_row_s", type=float, default=90.0, help="skip rows estimated to take longer")
     p.add_argument("--seed", type=int, default=0)
@@ -204,7 +205,7 @@ def decode_call(settings, impl, length):
 
 def measure_memory(settings, impl, *, mode, length):
     """One row's memory, in its own process: {peak_mb} (decode: plus the prefill's time and peak
-    and the size of the keys and values). See scripts/bench_common.py for what peak_mb counts."""
+    and the size of the keys and values). See benchmarks/common.py for what peak_mb counts."""
     set_threads(settings["threads"])
     if mode == "decode":
         call, memory, info = decode_call(settings, impl, length)

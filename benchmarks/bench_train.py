@@ -4,12 +4,12 @@ One step = forward + backward + AdamW step (trainer/trainer_utils.py's optimizer
 ids; every implementation sees the same ids. The batch size is --tokens_per_step / seq_len, so a
 step holds the same number of tokens at every length and tokens/s compares directly. Reported:
 the median over --steps timed steps after --warmup untimed ones, and the peak memory of the
-row (model, optimizer state, activations; see scripts/bench_common.py), measured in a fresh
+row (model, optimizer state, activations; see benchmarks/common.py), measured in a fresh
 process per row; the implementations of one length are then timed in one fresh process, their
 steps taking turns, so that their ratio is not at the mercy of the machine's drift.
 
-    python scripts/bench_train.py --json docs/bench/train_cpu.json
-    python scripts/bench_train.py --device cuda --dtype bfloat16 --preset small --json docs/bench/train_cuda.json
+    python benchmarks/bench_train.py --json docs/bench/train_cpu.json
+    python benchmarks/bench_train.py --device cuda --dtype bfloat16 --preset small --json docs/bench/train_cuda.json
 """
 
 import argparse
@@ -23,9 +23,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from model.config import PRESETS, MiniMindConfig
-from model.model import MiniMindForCausalLM
-from scripts.bench_common import (
+from benchmarks.common import (
     Extrapolator,
     PeakMemory,
     add_allocator_flag,
@@ -42,6 +40,8 @@ from scripts.bench_common import (
     time_interleaved,
     write_json,
 )
+from model.config import PRESETS, MiniMindConfig
+from model.model import MiniMindForCausalLM
 from trainer.trainer_utils import build_optimizer
 
 IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")

@@ -1,0 +1,109 @@
+"""Find and load a trained model with its tokenizer: the --load argument every evaluation script takes.
+
+A --load is a saved model folder (save_pretrained), an out dir (its model/ folder, else its newest
+checkpoint) or a checkpoint .pt written by the trainers. Checkpoints are read with
+torch.load(weights_only=True): tensors, plain containers and the numpy RNG state the trainer saves
+are all they may hold, so a crafted file cannot run code. Attention settings change no weights,
+so the attention and retrieval of any model may be overridden at load time.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from common.cli import UsageError
+from model.config import MiniMindConfig
+from model.model import MiniMindForCausalLM
+from trainer.trainer_utils import list_checkpoints
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TOKENIZER = REPO_ROOT / "model" / "tokenizer"
+DEFAULT_MODELS = (Path("out/sft/model"), Path("out/pretrain/model"))
+
+
+def check_device(device):
+    """A UsageError when `device` asks for CUDA on a machine without it."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device} requested but CUDA is not available")
+
+
+def resolve_load_path(load):
+    """The saved model folder or checkpoint file that --load names (None: the default models)."""
+    if load is None:
+        for folder in DEFAULT_MODELS:
+            if (folder / "config.json").is_file():
+                return folder
+        raise UsageError(f"no trained model found ({' or '.join(map(str, DEFAULT_MODELS))}); train one "
+                         "(trainer/train_pretrain.py, trainer/train_full_sft.py) or pass --load")
+    path = Path(load)
+    if path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path
+    if (path / "model" / "config.json").is_file():
+        return path / "model"
+    checkpoints = list_checkpoints(path)
+    if checkpoints:
+        return checkpoints[0]
+    raise UsageError(f"--load {load}: not a model folder, an out dir or a checkpoint file")
+
+
+def numpy_rng_globals():
+    """What unpickling np.random.get_state() needs (a uint32 array), which every training
+    checkpoint holds once per rank: the array's rebuild function, its classes and its dtype's class."""
+    key = np.random.get_state()[1]
+    rebuild = key.__reduce__()[0]
+    return [rebuild, np.ndarray, np.dtype, type(key.dtype)]
+
+
+def read_checkpoint(path):
+    """The payload of a training checkpoint, read without running any code stored in it."""
+    with torch.serialization.safe_globals(numpy_rng_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def config_from_checkpoint(payload, path):
+    """The model config the checkpoint was trained with (stored next to the weights)."""
+    if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
+        raise UsageError(f"--load {path}: not a training checkpoint (no 'model' and 'config' entries)")
+    try:
+        return MiniMindConfig.from_dict(payload["config"])
+    except ValueError as error:
+        raise UsageError(f"--load {path}: invalid model config in the checkpoint ({error})") from None
+
+
+def tokenizer_folder(folder):
+    """`folder` when it holds a tokenizer, else the shipped one."""
+    folder = Path(folder)
+    return folder if (folder / "tokenizer.json").is_file() else SHIPPED_TOKENIZER
+
+
+def load_model(path, attn, retrieval, device):
+    """(model in eval mode, tokenizer) from a model folder or a checkpoint, with attention overrides
+    (None keeps the model's)."""
+    try:
+        if path.is_dir():
+            config = MiniMindConfig.from_pretrained(path)
+            tokenizer_dir = tokenizer_folder(path)
+        else:
+            payload = read_checkpoint(path)
+            config = config_from_checkpoint(payload, path)
+            tokenizer_dir = tokenizer_folder(payload["args"].get("tokenizer_path", ""))
+        if attn is not None:
+            config.attn_impl = attn
+        if retrieval is not None:
+            config.ann_retrieval = retrieval
+        config.validate_settings()
+        if path.is_dir():
+            model = MiniMindForCausalLM.from_pretrained(path, config=config)
+        else:
+            model = MiniMindForCausalLM(config)
+            model.load_state_dict(payload["model"])
+    except UsageError:
+        raise
+    except Exception as error:  # unreadable file, wrong format, shapes that do not match the config
+        raise UsageError(f"--load {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return model.to(device).eval(), tokenizer
