@@ -9,8 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("model", "common", "dataset", "trainer", "evaluation", "benchmarks", "scripts")
-LIBRARIES = ("model", "common", "dataset", "evaluation")  # importable code that no entry point owns
-ENTRY_POINTS = ("scripts", "benchmarks", "trainer")
+ENTRY_POINTS = ("scripts", "benchmarks")  # command-line programs, like the trainer's stage scripts
 
 
 def module_names():
@@ -70,31 +69,26 @@ def test_the_import_graph_has_no_cycle(graph):
             visit(name, [name])
 
 
-def allowed_entry_point_import(name, target):
-    """Scripts and stage scripts are never imported; benchmarks share only benchmarks.common."""
-    if target.startswith("scripts.") or target.startswith("trainer.train_"):
-        return False
-    return not target.startswith("benchmarks.") or target == "benchmarks.common"
+def is_program(name):
+    """Scripts, benchmarks and the trainer's stage scripts: run, never imported."""
+    return name.split(".")[0] in ENTRY_POINTS or name.startswith("trainer.train_")
 
 
-@pytest.mark.parametrize("package", ENTRY_POINTS)
-def test_entry_points_import_library_code_never_another_entry_point(graph, package):
+def allowed_import(target):
+    """Programs are never imported; benchmarks share only benchmarks.common."""
+    return not is_program(target) or target == "benchmarks.common"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_programs_are_never_imported(graph, package):
     for name, targets in graph.items():
         if name.split(".")[0] == package:
-            wrong = sorted(t for t in targets if not allowed_entry_point_import(name, t))
-            assert not wrong, f"{name} imports {wrong}: scripts import library code, never each other"
-
-
-@pytest.mark.parametrize("package", LIBRARIES)
-def test_libraries_never_import_entry_points(graph, package):
-    for name, targets in graph.items():
-        if name.split(".")[0] == package:
-            wrong = sorted(t for t in targets if t.split(".")[0] in ENTRY_POINTS)
-            assert not wrong, f"{name} imports {wrong}: library code must not depend on scripts or trainers"
+            wrong = sorted(t for t in targets if not allowed_import(t))
+            assert not wrong, f"{name} imports {wrong}: code imports library code, never a script"
 
 
 def test_every_module_imports_in_a_fresh_interpreter():
-    names = [name for name in module_names() if name.split(".")[0] in LIBRARIES + ENTRY_POINTS]
+    names = list(module_names())
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     result = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
