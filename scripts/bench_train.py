@@ -42,7 +42,7 @@ from scripts.bench_common import (
     time_interleaved,
     write_json,
 )
-from trainer.trainer_utils import build_optimizer
+from trainer.optim import build_optimizer
 
 IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
 
