@@ -1,6 +1,6 @@
 """Whole-model training throughput: dense vs ANN attention, tokens per second of optimizer steps.
 
-One step = forward + backward + AdamW step (trainer/trainer_utils.py's optimizer) on random token
+One step = forward + backward + AdamW step (trainer/optim.py's optimizer) on random token
 ids; every implementation sees the same ids. The batch size is --tokens_per_step / seq_len, so a
 step holds the same number of tokens at every length and tokens/s compares directly. Reported:
 the median over --steps timed steps after --warmup untimed ones, and the peak memory of the
@@ -42,7 +42,7 @@ from benchmarks.common import (
 )
 from model.config import PRESETS, MiniMindConfig
 from model.model import MiniMindForCausalLM
-from trainer.trainer_utils import build_optimizer
+from trainer.optim import build_optimizer
 
 IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
 

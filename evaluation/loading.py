@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from common.cli import UsageError
 from model.config import MiniMindConfig
 from model.model import MiniMindForCausalLM
-from trainer.trainer_utils import list_checkpoints
+from trainer.checkpoints import list_checkpoints
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TOKENIZER = REPO_ROOT / "model" / "tokenizer"

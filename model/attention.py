@@ -37,20 +37,46 @@ class Attention(nn.Module):
         # tokens (a query its query_shift previous tokens) with learned per-channel weights, zero at
         # the start, so one layer can match "the token after X" (after "X Y" with two) and copying
         # circuits form in hundreds of steps instead of needing a previous-token head to compose with.
-        self.k_shift = nn.Parameter(torch.zeros(config.key_shift, config.hidden_size)) if config.key_shift else None
-        self.q_shift = nn.Parameter(torch.zeros(config.query_shift, config.hidden_size)) if config.query_shift else None
+        # A key's first previous token (k_shift) and the ones beyond it (k_shift_wide) are separate
+        # parameters so the optimizer can hold the wider ones back (trainer/optim.py).
+        self.k_shift = shift_weights(min(config.key_shift, 1), config.hidden_size)
+        self.k_shift_wide = shift_weights(config.key_shift - 1, config.hidden_size)
+        self.q_shift = shift_weights(config.query_shift, config.hidden_size)
         self.num_shifted = max(config.key_shift, config.query_shift)
         self.core = build_attention_core(config)
 
     def forward(self, x, rope, starts, ends, layer_cache):
         b, s, _ = x.shape
         previous = previous_inputs(x, starts, ends, layer_cache, self.num_shifted) if self.num_shifted else None
-        query_input, key_input = with_previous(x, self.q_shift, previous), with_previous(x, self.k_shift, previous)
+        key_weights = [*rows(self.k_shift), *rows(self.k_shift_wide)]
+        query_input, key_input = with_previous(x, rows(self.q_shift), previous), with_previous(x, key_weights, previous)
         q = self.q_proj(query_input).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key_input).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = self.core(q, k, v, starts, ends, layer_cache, rope)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        split_old_key_shift(state_dict, prefix + "k_shift")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def split_old_key_shift(state_dict, key):
+    """Weights saved before k_shift was split hold every key row in one (key_shift, c) tensor at `key`
+    (a name ending in k_shift): in place, it becomes k_shift (1, c) and k_shift_wide (key_shift - 1, c)."""
+    key_rows, wide_key = state_dict.get(key), key + "_wide"
+    if key_rows is not None and len(key_rows) > 1 and wide_key not in state_dict:
+        state_dict[key], state_dict[wide_key] = key_rows[:1], key_rows[1:]
+
+
+def shift_weights(count, hidden_size):
+    """A zero (count, c) token-shift parameter, or None when count is 0."""
+    return nn.Parameter(torch.zeros(count, hidden_size)) if count > 0 else None
+
+
+def rows(weights):
+    """The (c,) rows of an (n, c) parameter; none for None."""
+    return [] if weights is None else list(weights)
 
 
 def previous_inputs(x, starts, ends, layer_cache, count):
@@ -69,7 +95,7 @@ def previous_inputs(x, starts, ends, layer_cache, count):
 
 
 def with_previous(x, weights, previous):
-    """x (b, s, c) plus weights[j] (c,) times the (j+1)-th previous input, for each row j of weights (n, c)."""
-    if weights is None:
+    """x (b, s, c) plus weights[j] (c,) times the (j+1)-th previous input, for each weight row j."""
+    if not weights:
         return x
     return x + sum(weight * earlier for weight, earlier in zip(weights, previous))

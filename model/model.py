@@ -8,13 +8,17 @@ left-padded batch is rolled left before the layers and rolled back after; positi
 ANN blocks then never depend on how much padding a sequence had.
 """
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention import Attention
+from .attention import Attention, split_old_key_shift
 from .config import MiniMindConfig
 from .kv_cache import MiniMindCache
 from .rope import Rope
@@ -64,6 +68,27 @@ class MiniMindModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def old_layout_weights(folder):
+    """The weights of a model folder whose k_shift holds every key row, split the current way; else None.
+
+    transformers loads parameters by name without Attention._load_from_state_dict, so such a
+    folder's (key_shift, c) k_shift would not fit the (1, c) parameter.
+    """
+    path = None if folder is None else Path(folder) / "model.safetensors"
+    if path is None or not path.is_file():
+        return None
+    with safe_open(path, framework="pt") as weights:
+        names = set(weights.keys())
+        old = [name for name in names if name.endswith(".k_shift") and name + "_wide" not in names
+               and weights.get_slice(name).get_shape()[0] > 1]
+    if not old:
+        return None
+    state_dict = load_file(path)
+    for name in old:
+        split_old_key_shift(state_dict, name)
+    return state_dict
+
+
 def padding_offsets(attention_mask):
     """attention_mask (b, s) of contiguous ones -> (left padding (b,), real lengths (b,)).
 
@@ -98,6 +123,15 @@ class MiniMindForCausalLM(PreTrainedModel):
         self.model = MiniMindModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' loader, which also takes a folder saved before Attention split its k_shift."""
+        state_dict = old_layout_weights(pretrained_model_name_or_path)
+        if state_dict is None:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        kwargs["config"] = kwargs.get("config") or MiniMindConfig.from_pretrained(pretrained_model_name_or_path)
+        return super().from_pretrained(None, *model_args, state_dict=state_dict, **kwargs)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -279,7 +279,7 @@ def ann_model(retrieval="exact", **overrides):
     settings.update(overrides)
     model = MiniMindForCausalLM(MiniMindConfig(**settings)).eval()
     for layer in model.model.layers:  # trained shifts are not zero; the test must see them act
-        for weights in (layer.self_attn.k_shift, layer.self_attn.q_shift):
+        for weights in (layer.self_attn.k_shift, layer.self_attn.k_shift_wide, layer.self_attn.q_shift):
             if weights is not None:
                 torch.nn.init.normal_(weights)
     return model
@@ -350,6 +350,7 @@ def test_token_shift_is_the_plain_model_at_zero_and_its_weights_round_trip(tmp_p
     torch.testing.assert_close(shifted(input_ids).logits, plain(input_ids).logits, atol=0, rtol=0)
     for layer in shifted.model.layers:
         torch.nn.init.normal_(layer.self_attn.k_shift)
+        torch.nn.init.normal_(layer.self_attn.k_shift_wide)
         torch.nn.init.normal_(layer.self_attn.q_shift)
     shifted.save_pretrained(tmp_path)
     loaded = MiniMindForCausalLM.from_pretrained(tmp_path).eval()

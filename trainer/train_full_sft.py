@@ -4,7 +4,7 @@ Starts from a pretrained model folder; the loss covers the assistant turns only 
 
     python trainer/train_full_sft.py --from_weight out/pretrain/model --max_minutes 10
 
-Flags and behaviour: trainer/trainer_utils.py (python trainer/train_full_sft.py --help).
+Flags: trainer/cli.py (python trainer/train_full_sft.py --help); the loop: trainer/loop.py.
 """
 
 import sys
@@ -14,7 +14,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset.lm_dataset import SFTDataset
-from trainer.trainer_utils import Stage, main
+from trainer.cli import Stage
+from trainer.loop import main
 
 STAGE = Stage(
     name="sft",

@@ -3,7 +3,7 @@
     python trainer/train_pretrain.py --max_minutes 20             # CPU demo, tiny preset
     torchrun --nproc_per_node 2 trainer/train_pretrain.py --preset small --dtype bfloat16
 
-Flags and behaviour: trainer/trainer_utils.py (python trainer/train_pretrain.py --help).
+Flags: trainer/cli.py (python trainer/train_pretrain.py --help); the loop: trainer/loop.py.
 """
 
 import sys
@@ -13,7 +13,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset.lm_dataset import PretrainDataset
-from trainer.trainer_utils import Stage, main
+from trainer.cli import Stage
+from trainer.loop import main
 
 STAGE = Stage(
     name="pretrain",
