@@ -19,7 +19,6 @@ config, so an interrupted run keeps the rows it finished.
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -38,6 +37,7 @@ from transformers.utils import logging as transformers_logging
 
 from evaluation.loading import SHIPPED_TOKENIZER
 from model import MiniMindConfig, MiniMindForCausalLM
+from trainer.optim import learning_rate_at
 
 DEFAULT_CONFIGS = [
     "dense", "64,16,0", "64,16,2", "64,16,4", "32,16,4", "128,16,4", "64,8,8", "64,32,2", "dense@1", "64,16,4@1",
@@ -111,14 +111,6 @@ def model_config(args, run, vocab_size):
     )
 
 
-def learning_rate(args, step):
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 @torch.no_grad()
 def validation_loss(model, val_ids, args):
     count = min(args.val_windows, len(val_ids) // args.seq_len)
@@ -140,7 +132,7 @@ def train_and_score(args, run, train_ids, val_ids, vocab_size):
         starts = torch.randint(0, len(train_ids) - args.seq_len, (args.batch_size,), generator=data_order)
         batch = torch.stack([train_ids[start : start + args.seq_len] for start in starts.tolist()])
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, step)
+            group["lr"] = learning_rate_at(step, args.steps, args.lr, args.warmup)
         loss = model(batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
