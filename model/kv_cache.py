@@ -1,6 +1,7 @@
 """Key/value storage for generation: a growable per-layer buffer and the whole model's cache."""
 
 import torch
+from transformers.cache_utils import Cache
 
 
 def with_capacity(buffer, like, needed, minimum=0, granularity=1):
@@ -55,12 +56,30 @@ class KVBuffer:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-class MiniMindCache:
-    """Everything generation keeps between calls: one cache per layer and each sequence's length."""
+class MiniMindCache(Cache):
+    """Everything generation keeps between calls: one cache per layer and each sequence's length.
+
+    A transformers `Cache`, so `GenerationMixin.generate` carries it from step to step. Rows are
+    stored in their own coordinates (position 0 = first real token): `lengths` (b,) counts each
+    row's real tokens, while `get_seq_length` counts input columns, padding included, because
+    generate slices the next input by it. The layer caches are the attention cores' own
+    (KVBuffer, AnnLayerCache with its block summaries and HNSW graphs); they cannot be cropped or
+    reordered, so beam search and assisted decoding are not available.
+    """
+
+    is_compileable = False
+    is_croppable = False
 
     def __init__(self, layer_caches):
-        self.layers = layer_caches
+        super().__init__(layers=layer_caches)
         self.lengths = None
+        self.columns = 0
 
-    def get_seq_length(self):
-        return 0 if self.lengths is None else int(self.lengths.max())
+    def get_seq_length(self, layer_idx=0):
+        return self.columns
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("MiniMindCache cannot reorder its rows: beam search is not supported (num_beams=1)")
+
+    def crop(self, tokens_to_remove):
+        raise NotImplementedError("MiniMindCache cannot drop tokens: assisted decoding is not supported")

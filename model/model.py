@@ -6,6 +6,11 @@ The attention module and its pluggable cores live in model/attention.py.
 Padding. Sequences are processed in their own coordinates (position 0 = first real token), so a
 left-padded batch is rolled left before the layers and rolled back after; positions, RoPE and the
 ANN blocks then never depend on how much padding a sequence had.
+
+Generation is transformers' own `generate` (greedy, sampling, streamers, pipelines,
+`prefill_chunk_size` for long prompts) over a `MiniMindCache`; `stream_generate` yields its tokens
+step by step. `save_pretrained` writes the model code next to the weights, so the folder loads
+with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` anywhere.
 """
 
 from pathlib import Path
@@ -15,13 +20,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import Attention, split_old_key_shift
 from .config import MiniMindConfig
 from .kv_cache import MiniMindCache
 from .rope import Rope
+from .streaming import stream_steps
 
 
 class RMSNorm(nn.Module):
@@ -112,7 +118,7 @@ def roll_rows(x, shifts):
     return torch.gather(x, 1, index)
 
 
-class MiniMindForCausalLM(PreTrainedModel):
+class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MiniMindConfig
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
@@ -157,39 +163,42 @@ class MiniMindForCausalLM(PreTrainedModel):
 
     def forward(
         self,
-        input_ids,
+        input_ids=None,
         attention_mask=None,
         labels=None,
         cache=None,
         use_cache=False,
         logits_to_keep=0,
+        inputs_embeds=None,
         **unused,
     ):
-        """input_ids (b, s) -> logits (b, s or logits_to_keep, vocab); loss when labels (b, s) are given.
+        """input_ids (b, s), or inputs_embeds (b, s, hidden) -> logits (b, s or logits_to_keep, vocab);
+        loss when labels (b, s) are given.
 
-        With a cache the s tokens continue each cached sequence; padding is allowed only in
-        the call that starts a cache (the prompt), where attention_mask marks the real tokens.
+        With a cache the s tokens continue each cached sequence. attention_mask (b, columns so far)
+        marks real tokens; padding may only come before a row's first real token, so a left-padded
+        prompt may be prefilled in one call or in chunks.
         """
-        b, s = input_ids.shape
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
         if use_cache and cache is None:
             cache = self.new_cache()
         continuing = cache is not None and cache.lengths is not None
         left_pad, real_lengths = None, None
         if attention_mask is not None and not bool(attention_mask[:, -s:].bool().all()):
-            if continuing:
-                raise ValueError("padding is only supported in the first call of a cache (the prompt)")
             left_pad, real_lengths = padding_offsets(attention_mask[:, -s:])
-            input_ids = roll_rows(input_ids, left_pad)
+            if continuing and bool(((real_lengths < s) & (cache.lengths > 0)).any()):
+                raise ValueError("attention_mask: padding after a row's first real token (only left padding works)")
+            x = roll_rows(x, left_pad)
 
         if cache is None:
             starts = ends = None
-            positions = torch.arange(s, device=input_ids.device).expand(b, s)
+            positions = torch.arange(s, device=x.device).expand(b, s)
         else:
-            starts = cache.lengths if continuing else torch.zeros(b, dtype=torch.long, device=input_ids.device)
-            positions = starts[:, None] + torch.arange(s, device=input_ids.device)
+            starts = cache.lengths if continuing else torch.zeros(b, dtype=torch.long, device=x.device)
+            positions = starts[:, None] + torch.arange(s, device=x.device)
             ends = starts + (real_lengths if real_lengths is not None else s)
 
-        x = self.model.embed_tokens(input_ids)
         rope = Rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, rope, starts, ends, None if cache is None else cache.layers[index])
@@ -197,6 +206,7 @@ class MiniMindForCausalLM(PreTrainedModel):
 
         if cache is not None:
             cache.lengths = ends
+            cache.columns += s
         if left_pad is not None:
             x = roll_rows(x, -left_pad)
         if logits_to_keep:
@@ -213,7 +223,23 @@ class MiniMindForCausalLM(PreTrainedModel):
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 
-    @torch.inference_mode()
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate()'s cache hook: a MiniMindCache reserved for the whole output instead of a DynamicCache."""
+        given = model_kwargs.get("cache")
+        if given is not None and not isinstance(given, MiniMindCache):
+            raise ValueError(f"cache must be a MiniMindCache (model.new_cache()), got {type(given).__name__}")
+        if generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
+                "MiniMind keeps its own cache (MiniMindCache)"
+            )
+        if generation_config.num_beams > 1:
+            raise ValueError(f"num_beams={generation_config.num_beams}: beam search is not supported (use num_beams=1)")
+        if given is not None:
+            given._is_user_defined = True
+        elif generation_config.use_cache:
+            model_kwargs["cache"] = self.new_cache(reserve=generation_config.max_length)
+
     def stream_generate(
         self,
         input_ids,
@@ -225,47 +251,27 @@ class MiniMindForCausalLM(PreTrainedModel):
         eos_token_id=None,
         prefill_chunk=None,
     ):
-        """Yield the next token of every sequence, (b,), one step at a time.
+        """Yield the next token of every sequence, (b,) on the CPU, one step at a time.
 
-        temperature 0 is greedy. A finished sequence (it produced eos) keeps yielding the pad id.
-        The prompt is prefilled through the cache in chunks of prefill_chunk tokens, so very long
-        prompts never hold more than one chunk's activations.
+        transformers' generate does the work: temperature 0 is greedy, a finished sequence (it
+        produced eos) yields the pad id until all are finished, and the prompt is prefilled in
+        chunks of prefill_chunk tokens, so very long prompts never hold more than one chunk's
+        activations. Stopping reading stops generation.
         """
         check_sampling(temperature, top_p, top_k, max_new_tokens)
-        eos_token_id = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        s = input_ids.shape[1]
-        cache = self.new_cache(reserve=s + max_new_tokens)
-        chunk = prefill_chunk or s
-        if attention_mask is not None and not bool(attention_mask.bool().all()) and chunk < s:
-            raise ValueError("a padded batch is prefilled in one chunk; pass prefill_chunk=None")
-        for begin in range(0, s, chunk):
-            out = self(
-                input_ids[:, begin : begin + chunk],
-                attention_mask=attention_mask,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            token = sample_next(out.logits[:, -1].float(), temperature, top_p, top_k)
-            token = torch.where(finished, torch.full_like(token, self.config.pad_token_id), token)
-            yield token
-            finished |= token == eos_token_id
-            if bool(finished.all()):
-                return
-            out = self(token[:, None], cache=cache, use_cache=True, logits_to_keep=1)
-
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=64, streamer=None, **sampling):
-        """input_ids (b, s) -> (b, s + new) with the new tokens appended; streamer(token (b,)) sees each step."""
-        tokens = []
-        for token in self.stream_generate(input_ids, attention_mask, max_new_tokens, **sampling):
-            tokens.append(token)
-            if streamer is not None:
-                streamer(token)
-        if not tokens:
-            return input_ids
-        return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+        if max_new_tokens == 0:
+            return
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if temperature else {}
+        yield from stream_steps(
+            self.generate,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.config.eos_token_id if eos_token_id is None else eos_token_id,
+            prefill_chunk_size=prefill_chunk,
+            do_sample=bool(temperature),
+            **sampling,
+        )
 
 
 def check_sampling(temperature, top_p, top_k, max_new_tokens):
@@ -279,22 +285,9 @@ def check_sampling(temperature, top_p, top_k, max_new_tokens):
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens}")
 
 
-def sample_next(logits, temperature, top_p, top_k):
-    """logits (b, vocab) -> token ids (b,): greedy at temperature 0, else top-k / top-p sampling."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the tokens ranked above it already hold top_p of the mass.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), num_samples=1)[:, 0]
-
-
-AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig)
-AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM)
+# exist_ok: a folder loaded with trust_remote_code registers its own copy of these classes.
+AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig, exist_ok=True)
+AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
+# save_pretrained then copies the model code into the folder and names it in config.json's auto_map.
+MiniMindConfig.register_for_auto_class("AutoConfig")
+MiniMindForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -16,6 +16,12 @@ def build_pair(num_kv_heads):
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads, vocab_size=300
     )
     ours = MiniMindForCausalLM(config).eval()
+    return ours, llama_twin(ours)
+
+
+def llama_twin(ours):
+    """transformers' LlamaForCausalLM (SDPA) with the weights of the dense MiniMind model `ours`."""
+    config = ours.config
     reference_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -37,7 +43,7 @@ def build_pair(num_kv_heads):
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     reference.tie_weights()
     assert torch.equal(reference.lm_head.weight, ours.lm_head.weight)
-    return ours, reference
+    return reference
 
 
 @pytest.fixture(params=[4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -78,7 +84,7 @@ def test_full_model_logits_and_greedy_generation(pair):
     ours, reference = pair
     input_ids = torch.randint(3, 300, (2, 24))
     assert max_diff(ours(input_ids).logits, reference(input_ids).logits) <= TOLERANCE
-    ours_tokens = ours.generate(input_ids[:1], max_new_tokens=32, eos_token_id=-1)
+    ours_tokens = ours.generate(input_ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
     ref_tokens = reference.generate(input_ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert torch.equal(ours_tokens, ref_tokens)
 
@@ -90,8 +96,9 @@ def test_left_padded_batch_matches_unpadded_rows(pair):
     batch = torch.cat([long_row, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_row], dim=1)])
     mask = torch.ones_like(batch)
     mask[1, :5] = 0
-    padded = ours.generate(batch, attention_mask=mask, max_new_tokens=10, eos_token_id=-1)[:, 12:]
-    assert torch.equal(padded[0], ours.generate(long_row, max_new_tokens=10, eos_token_id=-1)[0, 12:])
-    assert torch.equal(padded[1], ours.generate(short_row, max_new_tokens=10, eos_token_id=-1)[0, 7:])
+    settings = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    padded = ours.generate(batch, attention_mask=mask, **settings)[:, 12:]
+    assert torch.equal(padded[0], ours.generate(long_row, **settings)[0, 12:])
+    assert torch.equal(padded[1], ours.generate(short_row, **settings)[0, 7:])
     logits = ours(batch, attention_mask=mask).logits
     assert max_diff(logits[1, 5:], ours(short_row).logits[0]) <= TOLERANCE
