@@ -8,8 +8,22 @@ import numpy as np
 import torch
 
 
+def with_rows(array, needed, fill):
+    """array (capacity, ...) with room for `needed` rows: doubled, new rows set to fill."""
+    if len(array) >= needed:
+        return array
+    grown = np.full((max(needed, 2 * len(array), 16), *array.shape[1:]), fill, dtype=array.dtype)
+    grown[: len(array)] = array
+    return grown
+
+
 class MipsHnsw:
     """Maximum-inner-product search over one growing set of vectors with an L2 HNSW graph.
+
+    Vectors are inserted one at a time, in order, and everything below (radius, rebuilds, merged
+    duplicates, orphans) is decided per vector: the state after inserting x_0 .. x_{L-1} is a
+    function of those vectors alone, however the insertions were split into calls, and of no
+    thread count (FAISS inserts a batch in parallel, in an order that depends on the threads).
 
     HNSW walks a graph built for a metric; inner product is not one, and searching it directly
     loses recall. The standard reduction appends sqrt(R^2 - |x|^2) to every stored vector and 0 to
@@ -20,15 +34,17 @@ class MipsHnsw:
     Near-duplicates share one graph node. Repetitive text makes thousands of blocks with the same
     summary (up to float rounding); as separate nodes they fill each other's neighbour lists and cut
     the graph into cliques that a search cannot leave (recall of a distinct block among 4k
-    duplicated filler blocks fell to 3/20). A vector within DUPLICATE_TOLERANCE * R of a node joins
-    it; a search expands a node into its members in insertion order (equal scores, any is right).
+    duplicated filler blocks fell to 3/20). A vector within DUPLICATE_TOLERANCE * R of a node's
+    vector joins that node; a search expands a node into its members in insertion order (equal
+    scores, any is right).
 
     Nodes that no other node links to are scored exactly. HNSW's neighbour pruning can drop every
     edge into a vector unlike its neighbours, and no search reaches such a node however wide; among
     repeated filler, that is the distinct block a query looks for (the passkey's, measured: 20 of
     300 queries missed it with efSearch 512 over 156 nodes). Orphans are few, so scoring them is
-    cheap; finding them rescans every level-0 neighbour list after each insertion, O(nodes * 2M)
-    (7 ms at 8192 nodes; a 64k-token passkey trial went from 6.5 to 7.1 s, docs/LONG_CONTEXT.md).
+    cheap. They are found from in-degrees kept up to date per insertion: inserting a node rewrites
+    only its own level-0 neighbour list and the lists of the nodes it links to, so only those
+    (at most 2M + 1 lists) are re-read.
     """
 
     DUPLICATE_TOLERANCE = 1e-4
@@ -40,16 +56,20 @@ class MipsHnsw:
         self.m = m
         self.ef_construction = ef_construction
         self.ef_search = ef_search
+        self.count = 0  # vectors inserted
+        self.node_count = 0
+        # Arrays below have spare capacity; rows past count / node_count are unused.
         self.vectors = np.zeros((0, dim), dtype=np.float32)
         self.node_rows = np.zeros(0, dtype=np.int64)  # graph node -> its first vector
         self.members = np.zeros((0, self.MAX_EXPANSION), dtype=np.int32)  # node -> vectors, -1 padded
         self.member_counts = np.zeros(0, dtype=np.int64)
+        self.links = np.zeros((0, 2 * m), dtype=np.int32)  # node -> its level-0 neighbours, as the index holds them
+        self.in_degree = np.zeros(0, dtype=np.int64)  # node -> level-0 lists holding it
         self.radius = 0.0
         self.index = None
-        self.orphans = np.zeros(0, dtype=np.int64)  # graph nodes without an incoming level-0 edge
 
     def __len__(self):
-        return len(self.vectors)
+        return self.count
 
     def _new_index(self):
         index = faiss.IndexHNSWFlat(self.dim + 1, self.m)
@@ -61,96 +81,119 @@ class MipsHnsw:
         lift = np.sqrt(np.maximum(self.radius**2 - (vectors**2).sum(axis=1), 0.0)).astype(np.float32)
         return np.concatenate([vectors, lift[:, None]], axis=1)
 
-    def _nodes_of(self, rows):
-        """Graph node for each new vector (rows of self.vectors): an existing or earlier new node
-        within the tolerance, else -1 (the vector becomes a node)."""
-        vectors = self.vectors[rows]
-        tolerance = (self.DUPLICATE_TOLERANCE * self.radius) ** 2
-        nodes = np.full(len(rows), -1, dtype=np.int64)
-        if self.index is not None and self.index.ntotal:
-            distances, labels = self.index.search(self._augment(vectors), 1)
-            close = distances[:, 0] <= tolerance
-            nodes[close] = labels[close, 0]
-        # Duplicates among the new vectors themselves: each joins the first such vector, or the
-        # vector that one joined (closeness is not transitive: a ~ b and b ~ c without a ~ c).
-        fresh = np.flatnonzero(nodes < 0)
-        if len(fresh) > 1:
-            points = vectors[fresh].astype(np.float64)  # float64: no cancellation at this tolerance
-            squared = (points**2).sum(axis=1)
-            close = squared[:, None] + squared[None, :] - 2 * points @ points.T <= tolerance
-            np.fill_diagonal(close, True)
-            root = np.argmax(close, axis=1)  # itself at the latest
-            while not np.array_equal(root[root], root):
-                root = root[root]
-            nodes[fresh] = np.where(root < np.arange(len(fresh)), -2 - fresh[root], -1)
-        return nodes
-
-    def _find_orphans(self):
-        """Graph nodes that no node's level-0 neighbour list holds, except the entry point."""
-        hnsw = self.index.hnsw
-        starts = faiss.vector_to_array(hnsw.offsets)[:-1].astype(np.int64)
-        neighbors = faiss.vector_to_array(hnsw.neighbors)
-        linked = neighbors[starts[:, None] + np.arange(hnsw.nb_neighbors(0))]
-        in_degree = np.bincount(linked[linked >= 0], minlength=len(starts))
-        orphans = np.flatnonzero(in_degree == 0)
-        return orphans[orphans != hnsw.entry_point]
-
     def add(self, vectors):
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        if len(vectors) == 0:
-            return
-        first_row = len(self.vectors)
-        self.vectors = np.concatenate([self.vectors, vectors])
-        longest = float(np.sqrt((vectors**2).sum(axis=1).max()))
-        if self.index is None or longest > self.radius:
-            self.radius = max(2.0 * self.radius, longest * 1.25, 1e-6)
-            self.index = self._new_index()
-            if len(self.node_rows):
-                self.index.add(self._augment(self.vectors[self.node_rows]))
-        rows = np.arange(first_row, len(self.vectors))
-        nodes = self._nodes_of(rows)
-        new_nodes = np.flatnonzero(nodes == -1)
-        node_of_new = {int(i): len(self.node_rows) + j for j, i in enumerate(new_nodes)}
-        self.index.add(self._augment(self.vectors[rows[new_nodes]]))
-        self.node_rows = np.concatenate([self.node_rows, rows[new_nodes]])
-        self.members = np.concatenate(
-            [self.members, np.full((len(new_nodes), self.MAX_EXPANSION), -1, dtype=np.int32)]
-        )
-        self.member_counts = np.concatenate([self.member_counts, np.zeros(len(new_nodes), dtype=np.int64)])
-        for i, node in enumerate(nodes.tolist()):
-            if node == -1:
-                node = node_of_new[i]
-            elif node <= -2:  # joins a new vector of this call (index -2 - node within the call)
-                node = node_of_new[-2 - node]
-            count = self.member_counts[node]
-            if count < self.MAX_EXPANSION:
-                self.members[node, count] = rows[i]
-            self.member_counts[node] = count + 1
-        self.orphans = self._find_orphans()
+        """Insert vectors (n, d), one at a time in order."""
+        for vector in np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim):
+            self._insert(vector)
+
+    def _insert(self, vector):
+        row = self.count
+        self.vectors = with_rows(self.vectors, row + 1, 0.0)
+        self.vectors[row] = vector
+        self.count += 1
+        squared_norm = float(np.dot(vector, vector))
+        if self.index is None or squared_norm > self.radius**2:
+            self.radius = max(2.0 * self.radius, np.sqrt(squared_norm) * 1.25, 1e-6)
+            self._rebuild()
+        lifted = np.empty((1, self.dim + 1), dtype=np.float32)
+        lifted[0, :-1] = vector
+        lifted[0, -1] = np.sqrt(max(self.radius**2 - squared_norm, 0.0))
+        node = self._duplicate_of(lifted)
+        if node < 0:
+            node = self._new_node(row, lifted)
+        count = self.member_counts[node]
+        if count < self.MAX_EXPANSION:
+            self.members[node, count] = row
+        self.member_counts[node] = count + 1
+
+    def _duplicate_of(self, lifted):
+        """The node whose vector lies within the tolerance of a lifted vector (1, d+1), or -1."""
+        if self.node_count == 0:
+            return -1
+        distances, nodes = self.index.search(lifted, 1)
+        return int(nodes[0, 0]) if distances[0, 0] <= (self.DUPLICATE_TOLERANCE * self.radius) ** 2 else -1
+
+    def _new_node(self, row, lifted):
+        node = self.node_count
+        self.node_count += 1
+        if node == len(self.node_rows):
+            self.node_rows = with_rows(self.node_rows, node + 1, 0)
+            self.members = with_rows(self.members, node + 1, -1)
+            self.member_counts = with_rows(self.member_counts, node + 1, 0)
+            self.links = with_rows(self.links, node + 1, -1)
+            self.in_degree = with_rows(self.in_degree, node + 1, 0)
+        self.node_rows[node] = row
+        self._link(node, lifted)
+        return node
+
+    def _rebuild(self):
+        """A fresh index at the current radius, holding the nodes, inserted again in node order."""
+        self.index = self._new_index()
+        self.hnsw = self.index.hnsw
+        self.links[:] = -1
+        self.in_degree[:] = 0
+        for node in range(self.node_count):
+            self._link(node, self._augment(self.vectors[self.node_rows[node]][None]))
+
+    def _link(self, node, lifted):
+        """Insert node (its lifted vector (1, d+1)) into the index; re-read the level-0 lists this
+        rewrote: its own and those of the nodes it links to."""
+        self.index.add(lifted)
+        offsets, neighbors = self._index_arrays()
+        start = offsets[node]
+        own = neighbors[start : start + self.links.shape[1]]
+        self._reread(np.append(node, own[own >= 0]), offsets, neighbors)
+
+    def _index_arrays(self):
+        """The index's neighbour-list offsets (int64) and neighbour lists, as views: copying them
+        per insertion would cost O(nodes)."""
+        offsets = faiss.rev_swig_ptr(self.hnsw.offsets.data(), self.hnsw.offsets.size()).view(np.int64)
+        return offsets, faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
+
+    def reread_links(self, nodes):
+        """Refresh the copies of these nodes' level-0 lists and the in-degrees they count toward."""
+        self._reread(nodes, *self._index_arrays())
+
+    def _reread(self, nodes, offsets, neighbors):
+        old = self.links[nodes]
+        new = neighbors[offsets[nodes][:, None] + np.arange(self.links.shape[1])]
+        changed = new != old  # mostly one slot per list: the new node's back link
+        gained, lost = new[changed], old[changed]
+        np.add.at(self.in_degree, gained[gained >= 0], 1)
+        np.subtract.at(self.in_degree, lost[lost >= 0], 1)
+        self.links[nodes] = new
+
+    def orphans(self):
+        """Graph nodes that no node's level-0 neighbour list holds, except the entry point."""
+        orphans = np.flatnonzero(self.in_degree[: self.node_count] == 0)
+        return orphans[orphans != self.hnsw.entry_point]
 
     def search(self, queries, k):
         """queries (s, d) -> labels (s, k) int64: insertion positions of the vectors with the
         largest inner products (-1 where fewer than k vectors exist)."""
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        k = min(k, len(self.vectors))
+        k = min(k, self.count)
         if k == 0:
             return np.full((len(queries), 0), -1, dtype=np.int64)
         augmented = np.concatenate([queries, np.zeros((len(queries), 1), dtype=np.float32)], axis=1)
-        distances, nodes = self.index.search(augmented, min(k, len(self.node_rows)))
-        if len(self.orphans):
-            nodes = self._with_orphans(queries, distances, nodes, k)
+        distances, nodes = self.index.search(augmented, min(k, self.node_count))
+        orphans = self.orphans()
+        if len(orphans):
+            nodes = self._with_orphans(queries, distances, nodes, orphans, k)
+        if self.node_count == self.count:  # no merged duplicates: each node is one vector
+            return np.where(nodes >= 0, self.node_rows[np.maximum(nodes, 0)], -1)
         candidates = np.where(nodes[..., None] >= 0, self.members[np.maximum(nodes, 0)], -1).reshape(len(queries), -1)
         # Keep the first k real members of each row, in order.
         order = np.argsort(candidates < 0, axis=1, kind="stable")[:, :k]
         return np.take_along_axis(candidates, order, axis=1).astype(np.int64)
 
-    def _with_orphans(self, queries, distances, nodes, k):
+    def _with_orphans(self, queries, distances, nodes, orphans, k):
         """The graph's nodes (s, k') and their distances, plus the orphans -> the best k nodes (s, k)."""
         # |q - x'|^2 = |q|^2 + R^2 - 2 q.x for a lifted x', so the graph's distances give its inner products.
         found_scores = ((queries**2).sum(axis=1, keepdims=True) + self.radius**2 - distances) / 2
-        orphan_scores = queries @ self.vectors[self.node_rows[self.orphans]].T
-        orphan_scores[(nodes[:, :, None] == self.orphans).any(axis=1)] = -np.inf  # the graph found it too
-        nodes = np.concatenate([nodes, np.broadcast_to(self.orphans, orphan_scores.shape)], axis=1)
+        orphan_scores = queries @ self.vectors[self.node_rows[orphans]].T
+        orphan_scores[(nodes[:, :, None] == orphans).any(axis=1)] = -np.inf  # the graph found it too
+        nodes = np.concatenate([nodes, np.broadcast_to(orphans, orphan_scores.shape)], axis=1)
         scores = np.concatenate([found_scores, orphan_scores], axis=1)
         scores[nodes < 0] = -np.inf
         order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
@@ -158,60 +201,68 @@ class MipsHnsw:
 
 
 class HnswRetriever:
-    """One MipsHnsw per (sequence, kv head); block j is added once it is a candidate for some query.
+    """One MipsHnsw per (sequence, kv head), holding blocks 0 .. L-1 of its sequence in block order.
 
-    Labels are positions in the order of insertion; `block_ids` maps them back to block ids, so
-    the answer stays right however blocks were inserted.
+    Causal: a query with L candidate blocks searches its graphs when they hold exactly blocks
+    0 .. L-1, so its answer depends on those blocks alone, not on later ones nor on how a prefill
+    was split into calls (the graph after L insertions is one state). A call takes its queries in
+    increasing L, growing the graphs between groups; labels are insertion positions, i.e. block ids.
     """
 
     def __init__(self, m, ef_construction, ef_search):
         self.settings = (m, ef_construction, ef_search)
         self.graphs = None
-        self.block_ids = None
 
-    def add_candidates(self, summaries, limits):
-        """Insert, per sequence, every block below its largest limit that is not in its graphs yet."""
-        b, g, _, d = summaries.shape
+    def stored_blocks(self, row):
+        return len(self.graphs[row][0])
+
+    def _check_batch(self, summaries):
+        b, g, _, e = summaries.shape
         if self.graphs is None:
-            self.graphs = [[MipsHnsw(d, *self.settings) for _ in range(g)] for _ in range(b)]
-            self.block_ids = [np.zeros(0, dtype=np.int64) for _ in range(b)]
+            self.graphs = [[MipsHnsw(e, *self.settings) for _ in range(g)] for _ in range(b)]
         if len(self.graphs) != b:
             raise ValueError(f"this HNSW state holds {len(self.graphs)} sequences, the call has {b}")
-        wanted = limits.max(dim=1).values.tolist()
-        for row in range(b):
-            have = len(self.block_ids[row])
-            if wanted[row] <= have:
-                continue
-            new_blocks = summaries[row, :, have : wanted[row]].detach().float().cpu().numpy()
-            for head in range(g):
-                self.graphs[row][head].add(new_blocks[head])
-            self.block_ids[row] = np.concatenate([self.block_ids[row], np.arange(have, wanted[row])])
+
+    def add_candidates(self, summaries, limits):
+        """Grow each sequence's graphs to its largest limit: blocks up to it, in block order."""
+        self._check_batch(summaries)
+        for row, limit in enumerate(limits.max(dim=1).values.tolist()):
+            stored = self.stored_blocks(row)
+            blocks = summaries[row, :, stored:limit].detach().float().cpu().numpy()
+            for graph, vectors in zip(self.graphs[row], blocks):
+                graph.add(vectors)
 
     def select(self, group_queries, summaries, limits, top_n):
-        """Search each graph with k = top_n + (blocks past the query's own limit), then keep the
-        first top_n labels that are candidates for that query: exact when the graph's recall is 1.
-        """
-        self.add_candidates(summaries, limits)
+        """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> ids, valid (b, g, s, n)."""
+        self._check_batch(summaries)
         b, g, s, _ = group_queries.shape
-        block_ids = torch.zeros(b, g, s, top_n, dtype=torch.long)
-        valid = torch.zeros(b, g, s, top_n, dtype=torch.bool)
-        if top_n == 0:
-            return block_ids.to(group_queries.device), valid.to(group_queries.device)
-        queries = group_queries.detach().float().cpu().numpy()
-        limits_np = limits.cpu().numpy()
-        for row in range(b):
-            stored = len(self.block_ids[row])
-            if stored == 0:
-                continue
-            extra = int(stored - limits_np[row].min())
-            for head in range(g):
-                labels = self.graphs[row][head].search(queries[row, head], top_n + extra)
-                found = np.where(labels >= 0, self.block_ids[row][np.maximum(labels, 0)], np.iinfo(np.int64).max)
-                keep = found < limits_np[row][:, None]
-                rank = np.cumsum(keep, axis=1)
-                keep &= rank <= top_n
-                query_index, slot = np.nonzero(keep)
-                column = rank[query_index, slot] - 1
-                block_ids[row, head, query_index, column] = torch.from_numpy(found[query_index, slot])
-                valid[row, head, query_index, column] = True
-        return block_ids.to(group_queries.device), valid.to(group_queries.device)
+        block_ids = np.zeros((b, g, s, top_n), dtype=np.int64)
+        valid = np.zeros((b, g, s, top_n), dtype=bool)
+        if top_n:
+            queries = group_queries.detach().float().cpu().numpy()
+            for row, row_limits in enumerate(limits.cpu().numpy()):
+                self._select_row(row, queries[row], summaries, row_limits, block_ids[row], valid[row])
+        device = group_queries.device
+        return torch.from_numpy(block_ids).to(device), torch.from_numpy(valid).to(device)
+
+    def _select_row(self, row, queries, summaries, limits, block_ids, valid):
+        """One sequence: queries (g, s, e), limits (s,) -> fills block_ids and valid (g, s, n)."""
+        order = np.argsort(limits, kind="stable")
+        group_limits, group_starts = np.unique(limits[order], return_index=True)
+        groups = [(int(limit), picked) for limit, picked in zip(group_limits, np.split(order, group_starts[1:])) if limit]
+        if not groups:
+            return
+        stored = self.stored_blocks(row)
+        if groups[0][0] < stored:
+            raise ValueError(
+                f"the HNSW graphs of sequence {row} hold {stored} blocks and a query has {groups[0][0]} "
+                "candidates: it would see later blocks (a sequence's limits may not decrease from call to call)"
+            )
+        new_blocks = summaries[row, :, stored : groups[-1][0]].detach().float().cpu().numpy()
+        for limit, picked in groups:
+            for head, graph in enumerate(self.graphs[row]):
+                graph.add(new_blocks[head, len(graph) - stored : limit - stored])
+                labels = graph.search(queries[head, picked], block_ids.shape[-1])
+                found = labels.shape[1]
+                block_ids[head, picked, :found] = np.maximum(labels, 0)
+                valid[head, picked, :found] = labels >= 0

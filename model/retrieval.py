@@ -16,9 +16,13 @@ search, whatever the summary. Two retrievers give the same answer through one in
 number of candidates are invalid, so a query never sees padding or a duplicated block.
 
     exact: one batched matmul and top-k in torch (training's default).
-    hnsw:  (model/hnsw.py) a FAISS HNSW graph per (sequence, kv head) that grows as blocks become candidates;
-           per layer, its state lives in the KV cache so decoding only adds the new blocks.
-    auto:  exact while the candidates are fewer than a threshold, hnsw beyond it.
+    hnsw:  (model/hnsw.py) a FAISS HNSW graph per (sequence, kv head) that grows block by block, in
+           block order; a query with L candidates searches it when it holds exactly blocks 0 .. L-1.
+           Per layer, its state lives in the KV cache so decoding only adds the new blocks.
+    auto:  per query: exact while it has fewer candidates than a threshold, hnsw from there.
+
+Every retriever is causal: a query's blocks depend only on the blocks that are candidates for it,
+so neither later tokens nor the way a prefill is split into calls change them.
 """
 
 import torch
@@ -98,16 +102,27 @@ class ExactRetriever:
 
 
 class AutoRetriever:
-    """Exact scoring while candidates are few, HNSW once a query has `threshold` or more of them."""
+    """Exact scoring for a query with fewer than `threshold` candidates, HNSW for one with more.
+
+    The choice is each query's own (its limit), never the call's: a call's largest limit depends on
+    how a prefill was chunked and on later queries.
+    """
 
     def __init__(self, threshold, m, ef_construction, ef_search):
         self.threshold = threshold
         self.hnsw = HnswRetriever(m, ef_construction, ef_search)
 
     def select(self, group_queries, summaries, limits, top_n):
-        if int(limits.max()) >= self.threshold:
+        far = limits >= self.threshold  # (b, s)
+        if not bool(far.any()):
+            return exact_select(group_queries, summaries, limits, top_n)
+        if bool(far.all()):
             return self.hnsw.select(group_queries, summaries, limits, top_n)
-        return exact_select(group_queries, summaries, limits, top_n)
+        # A limit of 0 gives a query no blocks: each retriever sees only its own queries.
+        exact_ids, exact_valid = exact_select(group_queries, summaries, limits.masked_fill(far, 0), top_n)
+        hnsw_ids, hnsw_valid = self.hnsw.select(group_queries, summaries, limits.masked_fill(~far, 0), top_n)
+        far = far[:, None, :, None]
+        return torch.where(far, hnsw_ids, exact_ids), torch.where(far, hnsw_valid, exact_valid)
 
 
 def build_retriever(config, kind=None):

@@ -76,7 +76,7 @@ def test_hnsw_grows_incrementally_and_survives_norm_growth():
         found = selected_sets(*retriever.select(queries, summaries, limits, 4))
         assert recall(found, selected_sets(*exact_select(queries, summaries, limits, 4))) >= 0.95
         radii.append(retriever.graphs[0][0].radius)
-    assert radii[2] > radii[1] and len(retriever.block_ids[0]) == 300
+    assert radii[2] > radii[1] and retriever.stored_blocks(0) == 300
 
 
 def test_hnsw_finds_a_distinct_block_among_thousands_of_duplicated_ones():
@@ -96,7 +96,7 @@ def test_hnsw_finds_a_distinct_block_among_thousands_of_duplicated_ones():
             block_ids, valid = retriever.select(query, blocks, limits, 4)
         exact_best = exact_select(query, blocks, limits, 1)[0][0, 0, 0, 0].item()
         assert valid.all() and block_ids[0, 0, 0, 0].item() == exact_best == position
-    assert len(retriever.graphs[0][0].node_rows) == 30  # 29 filler summaries and the key
+    assert retriever.graphs[0][0].node_count == 30  # 29 filler summaries and the key
 
 
 def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
@@ -111,15 +111,15 @@ def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
     best = int(np.argmax(vectors @ query))
     graph = MipsHnsw(16, 8, 40, 64)
     graph.add(vectors)
-    assert len(graph.orphans) == 0 and graph.search(query[None], 1)[0, 0] == best
+    assert len(graph.orphans()) == 0 and graph.search(query[None], 1)[0, 0] == best
     hnsw = graph.index.hnsw
     neighbors = faiss.vector_to_array(hnsw.neighbors)
     neighbors[neighbors == best] = -1  # the node of `best` is itself: no duplicates in these vectors
     faiss.copy_array_to_vector(neighbors, hnsw.neighbors)
     if hnsw.entry_point == best:
         hnsw.entry_point = int(np.argmin(vectors @ query))
-    graph.orphans = graph._find_orphans()
-    assert graph.orphans.tolist() == [best]
+    graph.reread_links(np.arange(graph.node_count))
+    assert graph.orphans().tolist() == [best]
     _, graph_only = graph.index.search(np.concatenate([query, [0.0]])[None].astype(np.float32), 4)
     assert best not in graph_only[0]
     some_queries = queries[0, 0].numpy()
@@ -129,8 +129,9 @@ def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
     assert all(len(set(row)) == len(row) for row in found.tolist())
 
 
-def test_near_duplicate_chains_in_one_add_share_a_node():
-    """a ~ b and b ~ c within the tolerance, a and c not: added at once, all three join a's node."""
+def test_a_near_duplicate_joins_the_node_within_the_tolerance_of_its_vector():
+    """a ~ b and b ~ c within the tolerance, a and c not: b joins a's node, c starts its own (c is
+    compared with nodes' vectors, as it would be had a and b come in an earlier call)."""
     from model.hnsw import MipsHnsw
 
     base = np.zeros(4, dtype=np.float32)
@@ -139,8 +140,63 @@ def test_near_duplicate_chains_in_one_add_share_a_node():
     vectors = np.stack([base, base + step, base + 2 * step, -base])
     graph = MipsHnsw(4, 8, 40, 64)
     graph.add(vectors)
-    assert len(graph.node_rows) == 2 and graph.member_counts.tolist() == [3, 1]
-    assert graph.search(base[None], 4)[0].tolist() == [0, 1, 2, 3]
+    assert graph.node_count == 3 and graph.member_counts[:3].tolist() == [2, 1, 1]
+    found = graph.search(base[None], 4)[0].tolist()
+    assert sorted(found[:3]) == [0, 1, 2] and found[3] == 3
+
+
+def growing_vectors(count, dim=16, seed=0):
+    """Structured vectors whose norms grow (radius rebuilds) with runs of exact repeats (merged nodes)."""
+    _, summaries = structured_summaries(count, dim=dim, seed=seed)
+    vectors = summaries[0, 0].numpy() * np.linspace(1.0, 6.0, count, dtype=np.float32)[:, None]
+    vectors[count // 3 : count // 3 + 40] = vectors[count // 3]
+    return vectors
+
+
+def graph_state(graph):
+    used = slice(0, graph.node_count)
+    return (graph.radius, graph.node_rows[used].tolist(), graph.members[used].tolist(), graph.links[used].tolist(),
+            graph.index.hnsw.entry_point)
+
+
+def test_graph_state_does_not_depend_on_how_insertions_are_split_or_on_faiss_threads():
+    """The state after L insertions is one state: however the calls split the vectors, and with
+    FAISS on 1 or 2 threads (it inserts a batch in parallel)."""
+    import faiss
+    from model.hnsw import MipsHnsw
+
+    vectors = growing_vectors(400)
+    states, found = [], []
+    for splits, threads in [((400,), 1), ((1, 7, 100, 292), 1), ((400,), 2)]:
+        graph = MipsHnsw(16, 8, 40, 16)
+        previous = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(threads)
+        try:
+            for part in np.split(vectors, np.cumsum(splits)[:-1]):
+                graph.add(part)
+        finally:
+            faiss.omp_set_num_threads(previous)
+        states.append(graph_state(graph))
+        found.append(graph.search(vectors[::7], 4))
+    assert states[0][0] > 1.25 * np.linalg.norm(vectors[0]) and states[0][1] != list(range(400))  # rebuilt, merged
+    assert states[1] == states[0] and states[2] == states[0]
+    assert np.array_equal(found[1], found[0]) and np.array_equal(found[2], found[0])
+
+
+def test_in_degrees_kept_per_insertion_match_a_scan_of_the_whole_graph():
+    import faiss
+    from model.hnsw import MipsHnsw
+
+    graph = MipsHnsw(16, 4, 16, 16)  # small M: lists fill up and get pruned, orphans appear
+    graph.add(growing_vectors(600))
+    hnsw = graph.index.hnsw
+    starts = faiss.vector_to_array(hnsw.offsets)[:-1].astype(np.int64)
+    linked = faiss.vector_to_array(hnsw.neighbors)[starts[:, None] + np.arange(hnsw.nb_neighbors(0))]
+    assert np.array_equal(graph.links[: graph.node_count], linked)
+    in_degree = np.bincount(linked[linked >= 0], minlength=len(starts))
+    assert np.array_equal(graph.in_degree[: graph.node_count], in_degree)
+    expected_orphans = np.flatnonzero(in_degree == 0)
+    assert graph.orphans().tolist() == expected_orphans[expected_orphans != hnsw.entry_point].tolist()
 
 
 def test_auto_switches_at_the_threshold():
@@ -149,7 +205,45 @@ def test_auto_switches_at_the_threshold():
     retriever.select(queries, summaries, torch.full((1, 64), 31), 4)
     assert retriever.hnsw.graphs is None
     retriever.select(queries, summaries, torch.full((1, 64), 40), 4)
-    assert len(retriever.hnsw.block_ids[0]) == 40
+    assert retriever.hnsw.stored_blocks(0) == 40
+
+
+def test_auto_chooses_per_query_not_per_call():
+    """Queries below the threshold get exact's answer, the others HNSW's, in one call."""
+    queries, summaries = structured_summaries(200, seed=3)
+    limits = torch.arange(64)[None] * 3  # 0 .. 189 candidates
+    far = (limits[0] >= 100).tolist()
+    found = selected_sets(*AutoRetriever(100, 4, 16, 8).select(queries, summaries, limits, 4))
+    exact = selected_sets(*exact_select(queries, summaries, limits, 4))
+    hnsw = selected_sets(*HnswRetriever(4, 16, 8).select(queries, summaries, limits, 4))
+    assert any(h != e for h, e, is_far in zip(hnsw, exact, far) if not is_far)  # the choice shows
+    assert found == [h if is_far else e for h, e, is_far in zip(hnsw, exact, far)]
+
+
+def test_hnsw_answer_depends_only_on_the_query_candidates():
+    """Blocks past a query's limit can change, and the call can be split anywhere: its answer stays."""
+    queries, summaries = structured_summaries(300, seed=4)
+    limits = torch.sort(torch.randint(0, 301, (1, 64), generator=torch.Generator().manual_seed(0))).values
+    reference = HnswRetriever(4, 16, 8).select(queries, summaries, limits, 4)
+    changed = summaries.clone()
+    changed[:, :, 150:] = torch.randn(changed[:, :, 150:].shape, generator=torch.Generator().manual_seed(1))
+    unchanged = limits[0] <= 150
+    answer = HnswRetriever(4, 16, 8).select(queries, changed, limits, 4)
+    for got, expected in zip(answer, reference):
+        assert torch.equal(got[:, :, unchanged], expected[:, :, unchanged])
+    retriever = HnswRetriever(4, 16, 8)
+    pieces = [retriever.select(queries[:, :, part], summaries, limits[:, part], 4)
+              for part in (slice(0, 1), slice(1, 8), slice(8, 64))]
+    for got, expected in zip((torch.cat(parts, dim=2) for parts in zip(*pieces)), reference):
+        assert torch.equal(got, expected)
+
+
+def test_hnsw_refuses_a_limit_below_the_blocks_it_holds():
+    queries, summaries = structured_summaries(20)
+    retriever = HnswRetriever(32, 80, 64)
+    retriever.select(queries, summaries, torch.full((1, 64), 20), 4)
+    with pytest.raises(ValueError, match="hold 20 blocks and a query has 12 candidates"):
+        retriever.select(queries, summaries, torch.full((1, 64), 12), 4)
 
 
 def test_hnsw_state_is_tied_to_its_batch():
