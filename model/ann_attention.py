@@ -6,6 +6,7 @@ Legend of dimension letters:
     s new queries      t keys (positions)   d head dim         m blocks
     e summary size (2d for bounds, d for mean)
     T queries per tile n top_n              B block size       W window (a multiple of B)
+    C queries per chunk (C = W, or one chunk per tile)      c chunks per tile     L keys in a slab
 
 Definition (one semantics for training, prefill and decoding). Block j holds positions
 [j*B, (j+1)*B), aligned to each sequence's position 0. For a query at position t:
@@ -31,9 +32,15 @@ retrieved keys rotated to their frame, so training runs fused SDPA per chunk (do
 Cost. Queries are processed in tiles of T: a tile's window is one slab of T+W-1 keys and each
 query gathers its n*B block keys, so memory is O(T*(T+W+n*B)) per tile and O(s*(W+n*B)) in all,
 never O(s*t). Decoding one token costs O(W + n*B) attention plus one retrieval.
+
+The tiled path (AnnAttention.tiled), per tile: its queries in both frames (TileQueries), the blocks
+they select, gathered (RetrievedBlocks), and attend_tile over those and the tile's WindowSlab. What
+decides the loop (tile sizes, top_n bounds) is computed on the host from positions read once per
+call (QuerySpans), so tiles never wait on the device.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,22 +58,120 @@ QUERY_TILE = 256
 MASKED_SDPA_MAX_LEN = 1024
 
 
-def window_slab(keys, values, first_positions, num_queries, window):
-    """The keys that any of num_queries consecutive queries can see in its window.
+class QuerySpans(NamedTuple):
+    """Where each row's new queries lie, on the device and, read once per call, on the host.
 
-    keys/values (b, g, t, d), first_positions (b,) = position of the first query
-    -> slab keys/values (b, g, s+W, d) and slab positions (b, s+W), from W-1 before the first
-    query to one past the last (that key is never visible; it makes the slab split into chunks).
-    Positions outside [0, t) are clamped here and masked by the caller.
+    first (b,) long: each row's first new position; ends (b,): each row's end of real tokens;
+    host_first, host_ends: the same as tuples of b ints, so that tiles read nothing back.
+    """
+
+    first: torch.Tensor
+    ends: torch.Tensor
+    host_first: tuple
+    host_ends: tuple
+
+    def positions(self, offset, length):
+        """(b, length): the positions of new queries offset .. offset+length-1 of each row."""
+        return self.first[:, None] + offset + torch.arange(length, device=self.first.device)
+
+
+def query_spans(starts, ends, batch, length, device):
+    """starts (b,) or None (a pass from position 0), ends (b,) or None (starts + length) -> QuerySpans.
+
+    One host read when starts or ends is given, none for a pass from position 0.
+    """
+    first = torch.zeros(batch, dtype=torch.long, device=device) if starts is None else starts
+    if starts is None and ends is None:
+        return QuerySpans(first, first + length, (0,) * batch, (length,) * batch)
+    ends = first + length if ends is None else ends
+    host_first, host_ends = torch.stack([first, ends.to(first.dtype)]).tolist()
+    return QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
+
+
+def candidate_limits(positions, ends, window, block_size):
+    """positions (b, T) of queries, ends (b,) -> (b, T): candidate blocks per query (candidate_count),
+    counted at min(position, end - 1), so a padding query has no more than its row's last real one."""
+    return candidate_count(torch.minimum(positions, ends[:, None] - 1), window, block_size)
+
+
+def most_candidates(spans, offset, window, block_size):
+    """Host int: the largest candidate_limits of the queries up to `offset` past each row's first.
+
+    candidate_count grows with the position, so it is the count at the latest such position.
+    """
+    latest = max(min(first + offset, end - 1) for first, end in zip(spans.host_first, spans.host_ends))
+    return max(0, (latest - window) // block_size + 1)
+
+
+class TileQueries(NamedTuple):
+    """One tile's queries, padded to whole chunks: T = c * C, with C = W or c = 1.
+
+    window_q, block_q (b, g, T, r, d): token-major, scaled by 1/sqrt(d), in the window keys' and the
+    block keys' frames; selecting (b, g, T, e): the group vectors that score blocks, detached;
+    positions (b, T); chunk: C; max_candidates: host int, the most candidate blocks of any query.
+    """
+
+    window_q: torch.Tensor
+    block_q: torch.Tensor
+    selecting: torch.Tensor
+    positions: torch.Tensor
+    chunk: int
+    max_candidates: int
+
+
+class WindowSlab(NamedTuple):
+    """The keys a run of queries can see in their windows, from W-1 before the first query.
+
+    keys (b, g, L, d) in the window frame, values (b, g, L, d), positions (b, L); L = T+W for a tile.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    def head(self, length):
+        """The slab's first `length` keys: a last tile holding fewer queries than the others."""
+        if length == self.positions.shape[-1]:
+            return self
+        return WindowSlab(self.keys[..., :length, :], self.values[..., :length, :], self.positions[..., :length])
+
+
+class RetrievedBlocks(NamedTuple):
+    """Each query's selected blocks: keys (b, g, T, n*B, d) in the block frame, values (b, g, T, n*B, d),
+    visible (b, g, T, n*B): the slot is a real selection and the key is older than the query's window."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    visible: torch.Tensor
+
+
+def window_slab(keys, values, spans, num_queries, window):
+    """The keys that any of num_queries consecutive queries from each row's first can see in its window.
+
+    keys/values (b, g, t, d), spans: QuerySpans -> WindowSlab of L = s+W keys, from W-1 before the
+    first query to one past the last (that key is never visible; it makes the slab split into
+    chunks). Positions outside [0, t) are clamped here and masked by attend_tile.
     """
     b, g, t, d = keys.shape
     length = num_queries + window
-    positions = first_positions[:, None] - (window - 1) + torch.arange(length, device=keys.device)
-    begin = int(positions[0, 0])
-    if bool((first_positions == first_positions[0]).all()) and begin >= 0 and begin + length <= t:
-        return keys[:, :, begin : begin + length], values[:, :, begin : begin + length], positions
+    positions = spans.positions(-(window - 1), length)
+    begin = spans.host_first[0] - (window - 1)
+    if len(set(spans.host_first)) == 1 and begin >= 0 and begin + length <= t:
+        return WindowSlab(keys[:, :, begin : begin + length], values[:, :, begin : begin + length], positions)
     index = positions.clamp(0, t - 1)[:, None, :, None].expand(b, g, -1, d)
-    return keys.gather(2, index), values.gather(2, index), positions
+    return WindowSlab(keys.gather(2, index), values.gather(2, index), positions)
+
+
+def tile_slabs(slab, tile_size, window):
+    """WindowSlab of L = c*T + W keys -> c WindowSlabs of T+W keys, tile i's from key i*T.
+
+    One unfold and one unbind per tensor: each tile's backward writes only its own piece.
+    """
+    keys, values, positions = (
+        tensor.unfold(-2, tile_size + window, tile_size).transpose(-1, -2).unbind(-3)
+        for tensor in (slab.keys, slab.values, slab.positions[..., None])
+    )
+    return [WindowSlab(*parts[:2], parts[2][..., 0]) for parts in zip(keys, values, positions)]
 
 
 def chunk_slab(slab, num_chunks, window):
@@ -107,23 +212,49 @@ def gather_blocks(table, rows_per_head, block_ids, head_dim):
     return gathered.view(b, g, tile_len, -1, head_dim)
 
 
-def attend_tile(q, block_q, slab_k, slab_v, slab_positions, block_k, block_v, block_visible, window, chunk):
+class BlockTables(NamedTuple):
+    """The stored keys (block frame) and values as block rows: keys, values (b*g*M, B*d) (block_table)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows_per_head: int
+    block_size: int
+
+    def gather(self, block_ids, valid, positions, window):
+        """block_ids/valid (b, g, T, n) selected for queries at positions (b, T) -> RetrievedBlocks."""
+        head_dim = self.keys.shape[1] // self.block_size
+        key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=block_ids.device)
+        older_than_window = key_positions <= (positions - window)[:, None, :, None, None]
+        return RetrievedBlocks(
+            gather_blocks(self.keys, self.rows_per_head, block_ids, head_dim),
+            gather_blocks(self.values, self.rows_per_head, block_ids, head_dim),
+            (valid[..., None] & older_than_window).flatten(-2),
+        )
+
+
+def block_tables(keys, values, block_size):
+    """keys/values (b, g, t, d) -> BlockTables: views of a cache buffer, else one copy each."""
+    key_table, rows_per_head = block_table(keys, block_size)
+    value_table, _ = block_table(values, block_size)
+    return BlockTables(key_table, value_table, rows_per_head, block_size)
+
+
+def attend_tile(tile, slab, blocks, window):
     """Attention of one tile of queries over its window slab and its retrieved blocks.
 
-    q (b, g, T, r, d), token-major, with T = c * C, and C = W or c = 1, in the window keys' frame
-    and already scaled by 1/sqrt(d); block_q like q, in the block keys' frame; slab_k/v (b, g, T+W, d)
-    and slab_positions (b, T+W) start W-1 before the first query; block_k/v (b, g, T, n*B, d);
-    block_visible (b, g, T, n*B) -> out (b, g, T, r, d).
+    tile: TileQueries (b, g, T, r, d); slab: WindowSlab of T+W keys; blocks: RetrievedBlocks, or
+    None when no query has a block -> out (b, g, T, r, d), token-major.
 
     Queries go in chunks of C: each query scores the C+W keys of its chunk, not the tile's slab.
     Token-major rows (a query's r heads side by side) let window and block logits share one
     layout, so they meet in one softmax without transposes.
     """
+    q, chunk = tile.window_q, tile.chunk
     b, g, tile_len, r, d = q.shape
     num_chunks, span = tile_len // chunk, chunk + window
-    chunk_keys = chunk_slab(slab_k, num_chunks, window)  # (b, g, c, span, d)
-    chunk_values = chunk_slab(slab_v, num_chunks, window)
-    chunk_positions = chunk_slab(slab_positions[..., None], num_chunks, window)[..., 0]  # (b, c, span)
+    chunk_keys = chunk_slab(slab.keys, num_chunks, window)  # (b, g, c, span, d)
+    chunk_values = chunk_slab(slab.values, num_chunks, window)
+    chunk_positions = chunk_slab(slab.positions[..., None], num_chunks, window)[..., 0]  # (b, c, span)
     offsets = torch.arange(span, device=q.device)[None, :] - torch.arange(chunk, device=q.device)[:, None]
     band = (offsets >= 0) & (offsets < window)  # (C, span): query a sees chunk keys a .. a+W-1
     hidden = ~(band[None, None] & (chunk_positions >= 0)[:, :, None, :])  # (b, c, C, span)
@@ -131,16 +262,16 @@ def attend_tile(q, block_q, slab_k, slab_v, slab_positions, block_k, block_v, bl
     window_logits = (q_rows @ chunk_keys.transpose(-1, -2)).view(b, g, num_chunks, chunk, r, span)
     window_logits.masked_fill_(hidden[:, None, :, :, None], NEG_INF)  # a fresh matmul output: in place
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-    if block_k is None:
+    if blocks is None:
         weights = window_logits.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
         return (weights.view(b, g, num_chunks, chunk * r, span) @ chunk_values).view(q.shape)
-    block_logits = block_q @ block_k.transpose(-1, -2)  # (b, g, T, r, n*B)
-    block_logits.masked_fill_(~block_visible[:, :, :, None], NEG_INF)
+    block_logits = tile.block_q @ blocks.keys.transpose(-1, -2)  # (b, g, T, r, n*B)
+    block_logits.masked_fill_(~blocks.visible[:, :, :, None], NEG_INF)
     logits = torch.cat([window_logits.view(b, g, tile_len, r, span), block_logits], dim=-1)
     weights = logits.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
     window_weights, block_weights = weights.split([span, block_logits.shape[-1]], dim=-1)
     out = window_weights.reshape(b, g, num_chunks, chunk * r, span) @ chunk_values
-    return out.view(q.shape) + block_weights @ block_v
+    return out.view(q.shape) + block_weights @ blocks.values
 
 
 def window_band(num_queries, first_query, first_key, num_keys, window, device):
@@ -192,14 +323,16 @@ class AnnLayerCache(KVBuffer):
         self.summary = summary
         self.summaries = None
 
-    def update_summaries(self, starts, ends):
+    def update_summaries(self, first_position, end_position):
         """Recompute the summaries of every block that the last write touched.
 
-        summaries (b, g, m, e) covers blocks complete in every row up to ends; blocks that hold a
-        row's not-yet-real positions (padding) are recomputed once real keys replace them.
+        first_position: the earliest row's first new position; end_position: the latest row's end
+        of real tokens (host ints). summaries (b, g, m, e) covers blocks complete in every row up to
+        end_position; blocks that hold a row's not-yet-real positions (padding) are recomputed once
+        real keys replace them.
         """
-        first = int(starts.min()) // self.block_size
-        end = int(ends.max()) // self.block_size
+        first = first_position // self.block_size
+        end = end_position // self.block_size
         fresh = block_summaries(self.k, first, end, self.block_size, self.summary)
         self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // self.block_size)
         self.summaries[:, :, first:end] = fresh
@@ -238,106 +371,96 @@ class AnnAttention:
         that blocks are scored and read in: unrotated when capped, rotated otherwise.
         """
         b, h, s, d = q.shape
-        first = torch.zeros(b, dtype=torch.long, device=q.device) if starts is None else starts
-        ends = first + s if ends is None else ends
-        query_positions = rope.positions
+        spans = query_spans(starts, ends, b, s, q.device)
         k = self.stored_frame(k, rope)
         if layer_cache is None:
             keys, values = k, v
         else:
-            keys, values = layer_cache.append(k, v, first)
-        last_position = int(first.max()) + s - 1
-        if self.is_dense(last_position):
+            keys, values = layer_cache.append(k, v, spans.first)
+        if self.is_dense(max(spans.host_first) + s - 1):
             if layer_cache is not None:
-                layer_cache.update_summaries(first, ends)
+                layer_cache.update_summaries(min(spans.host_first), max(spans.host_ends))
             return dense_attention(rope(q), self.window_frame(keys, rope), values, starts)
         if layer_cache is None:
             retriever = build_retriever(self.config)
             summaries = block_summaries(k, 0, s // self.block_size, self.block_size, self.summary)
         else:
             retriever = layer_cache.retriever
-            summaries = layer_cache.update_summaries(first, ends)
+            summaries = layer_cache.update_summaries(min(spans.host_first), max(spans.host_ends))
 
-        if s <= MASKED_SDPA_MAX_LEN and bool((first == 0).all()):
+        if s <= MASKED_SDPA_MAX_LEN and not any(spans.host_first):
             window_q, block_q = self.query_frames(q, rope)
             group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
-            limits = candidate_count(torch.minimum(query_positions, ends[:, None] - 1), self.window, self.block_size)
+            limits = candidate_limits(spans.positions(0, s), spans.ends, self.window, self.block_size)
+            top_n = min(self.top_n, most_candidates(spans, s - 1, self.window, self.block_size))
             with torch.no_grad():
-                top_n = min(self.top_n, int(limits.max()))
                 block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
             return self.masked_sdpa(window_q, keys[:, :, :s], values[:, :, :s], far, rope)
-        return self.tiled(q, keys, values, first, ends, retriever, summaries, rope)
+        return self.tiled(q, keys, values, spans, retriever, summaries, rope)
 
-    def tiled(self, q, keys, values, first, ends, retriever, summaries, rope):
+    def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its
-        window slab and them (attend_tile). Arguments as in __call__, with keys and values
-        everything stored (b, g, t, d) and summaries those of the complete blocks.
+        window slab and them. q (b, h, s, d) unrotated, keys/values (b, g, t, d) everything stored,
+        spans: QuerySpans, summaries (b, g, m, e) of the complete blocks -> out (b, h, s, d), whose
+        memory is (b, s, h, d): the output projection reads it without a copy.
 
         Whatever a tile reads of a whole-call tensor comes from one op per call (split, unbind,
         one gather), never a slice per tile: a slice's backward writes a zero gradient of the whole
-        tensor, once per tile.
+        tensor, once per tile. Cos/sin are computed once per call and sliced per tile.
         """
         b, h, s, d = q.shape
-        window = self.window
         tile_size = self.tile_size(s)
-        tile_begins = range(0, s, tile_size)
-        slab_k, slab_v, slab_positions = window_slab(keys, values, first, len(tile_begins) * tile_size, window)
+        q_tiles = q.split(tile_size, dim=2)
+        slab = window_slab(keys, values, spans, len(q_tiles) * tile_size, self.window)
         if self.capped:
-            slab_k = rope.moved(slab_positions)(slab_k)
-        slab_tiles = zip(*(
-            tensor.unfold(-2, tile_size + window, tile_size).transpose(-1, -2).unbind(-3)
-            for tensor in (slab_k, slab_v, slab_positions[..., None])
-        ))
-        key_table, rows_per_head = block_table(keys, self.block_size)
-        value_table, _ = block_table(values, self.block_size)
-        far_rope = self.far_rope(rope)  # cos/sin once per call, sliced per tile
-        scale = 1.0 / math.sqrt(d)
-        grouped_shape = (b, self.kv_heads, h // self.kv_heads, -1, d)
+            slab = slab._replace(keys=rope.moved(slab.positions)(slab.keys))
+        tables = block_tables(keys, values, self.block_size)
+        far_rope = self.far_rope(rope)
+        outputs = []
+        for index, (q_tile, tile_slab) in enumerate(zip(q_tiles, tile_slabs(slab, tile_size, self.window))):
+            tile = self.tile_queries(q_tile, index * tile_size, spans, rope, far_rope)
+            blocks = self.select_blocks(tile, spans, retriever, summaries, tables)
+            out = attend_tile(tile, tile_slab.head(tile.positions.shape[1] + self.window), blocks, self.window)
+            outputs.append(out[:, :, : q_tile.shape[2]].transpose(1, 2))  # (b, T, g, r, d)
+        return torch.cat(outputs, dim=1).view(b, s, h, d).transpose(1, 2)
 
-        def plan(tile_begin, q_tile, slab):
-            """One tile's queries in both frames, padded to whole chunks, and its selected blocks."""
-            tile_len = q_tile.shape[2]
-            tile_end = tile_begin + tile_len
-            far_tile = None if far_rope is None else far_rope.slice(tile_begin, tile_end)
-            window_q, block_q = self.query_frames(q_tile * scale, rope.slice(tile_begin, tile_end), far_tile)
-            group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
-            chunk = min(window, tile_len)
-            padded_len = -(-tile_len // chunk) * chunk
-            if padded_len > tile_len:
-                pad = (0, 0, 0, padded_len - tile_len)
-                window_q, block_q, group_queries = F.pad(window_q, pad), F.pad(block_q, pad), F.pad(group_queries, pad)
-            positions = first[:, None] + tile_begin + torch.arange(padded_len, device=q.device)
-            limits = candidate_count(torch.minimum(positions, ends[:, None] - 1), window, self.block_size)
-            # No query has more than limits.max() candidates: more slots would only be padding.
-            top_n = min(self.top_n, int(limits.max()))
-            selection = None
-            if top_n:
-                with torch.no_grad():
-                    selection = retriever.select(group_queries, summaries, limits, top_n)
-            slab = [part[..., : padded_len + window, :] for part in slab]
-            return tile_len, chunk, positions, window_q, block_q, slab, selection
+    def tile_queries(self, q_tile, tile_begin, spans, rope, far_rope):
+        """Unrotated q_tile (b, h, T, d) of new queries tile_begin .. tile_begin+T-1 -> TileQueries,
+        padded to whole chunks. rope and far_rope (self.far_rope(rope)) are the call's: their
+        cos/sin are sliced, not recomputed.
+        """
+        b, h, tile_len, d = q_tile.shape
+        tile_end = tile_begin + tile_len
+        far_tile = None if far_rope is None else far_rope.slice(tile_begin, tile_end)
+        window_q, block_q = self.query_frames(q_tile * (1.0 / math.sqrt(d)), rope.slice(tile_begin, tile_end), far_tile)
+        chunk = min(self.window, tile_len)
+        padded_len = -(-tile_len // chunk) * chunk
+        if padded_len > tile_len:
+            pad = (0, 0, 0, padded_len - tile_len)
+            window_q, block_q = F.pad(window_q, pad), F.pad(block_q, pad)
+        token_major = (b, self.kv_heads, h // self.kv_heads, padded_len, d)
+        return TileQueries(
+            window_q.view(token_major).transpose(2, 3),
+            block_q.view(token_major).transpose(2, 3),
+            selection_queries(block_q.detach(), self.kv_heads, self.summary),
+            spans.positions(tile_begin, padded_len),
+            chunk,
+            most_candidates(spans, tile_begin + padded_len - 1, self.window, self.block_size),
+        )
 
-        tiles = []
-        for tile_len, chunk, positions, window_q, block_q, slab, selection in map(
-            plan, tile_begins, q.split(tile_size, dim=2), slab_tiles
-        ):
-            block_k = block_v = block_visible = None
-            if selection is not None:
-                block_ids, valid = selection
-                block_k = gather_blocks(key_table, rows_per_head, block_ids, d)
-                block_v = gather_blocks(value_table, rows_per_head, block_ids, d)
-                key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=q.device)
-                older_than_window = key_positions <= (positions - window)[:, None, :, None, None]
-                block_visible = (valid[..., None] & older_than_window).flatten(-2)
-            out = attend_tile(
-                window_q.view(grouped_shape).transpose(2, 3),
-                block_q.view(grouped_shape).transpose(2, 3),
-                slab[0], slab[1], slab[2][..., 0], block_k, block_v, block_visible, window, chunk,
-            )
-            tiles.append(out[:, :, :tile_len].transpose(1, 2))  # (b, T, g, r, d)
-        # (b, s, h, d) memory seen as (b, h, s, d): the output projection reads it without a copy
-        return torch.cat(tiles, dim=1).view(b, s, h, d).transpose(1, 2)
+    def select_blocks(self, tile, spans, retriever, summaries, tables):
+        """The tile's top-n candidate blocks per query and kv head, gathered from tables
+        (BlockTables): RetrievedBlocks, or None when top_n or every query's candidates are 0.
+        """
+        # No query has more than max_candidates candidates: more slots would only be padding.
+        top_n = min(self.top_n, tile.max_candidates)
+        if not top_n:
+            return None
+        limits = candidate_limits(tile.positions, spans.ends, self.window, self.block_size)
+        with torch.no_grad():
+            block_ids, valid = retriever.select(tile.selecting, summaries, limits, top_n)
+        return tables.gather(block_ids, valid, tile.positions, self.window)
 
     def tile_size(self, s):
         """Queries per tile for s new queries: QUERY_TILE rounded up to whole windows (chunks of W

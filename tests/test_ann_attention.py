@@ -261,6 +261,42 @@ def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks, bloc
     torch.testing.assert_close(torch.cat(outputs, dim=2), full, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("top_n", [3, 10_000])
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
+def test_rows_at_different_positions_equal_their_own_full_pass(monkeypatch, retrieval, top_n):
+    """One cached call whose rows start and end at different positions (row 1 was shorter, its
+    padding is overwritten) gives each row what a pass over that row alone gives. With top_n
+    covering every candidate, a bound on top_n taken from the wrong row would drop blocks."""
+    monkeypatch.setattr(ann_attention, "QUERY_TILE", 64)  # several tiles, the last one padded
+    core = make_core(4, 2, 16, 8, top_n, retrieval=retrieval)
+    lengths, first_call = (210, 185), 60
+    rows = [random_qkv(1, 4, 2, length, seed=length) for length in lengths]
+    cache = core.new_layer_cache()
+    starts, ends = torch.zeros(2, dtype=torch.long), torch.tensor([first_call, 35])
+    first_inputs = [
+        torch.cat([row0[:, :, :first_call], torch.cat([row1[:, :, :35], torch.randn_like(row1[:, :, 35:first_call])], 2)])
+        for row0, row1 in zip(*rows)
+    ]
+    first_out = run(core, *first_inputs, starts, ends, cache)
+    starts, ends = ends, torch.tensor(lengths)
+    second_inputs = [torch.cat([row0[:, :, first_call:], row1[:, :, 35:]]) for row0, row1 in zip(*rows)]
+    second_out = run(core, *second_inputs, starts, ends, cache)
+    for row, (begin, end) in enumerate(zip(starts.tolist(), lengths)):
+        alone = run(core, *rows[row])[0]
+        torch.testing.assert_close(first_out[row, :, :begin], alone[:, :begin], atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(second_out[row, :, : end - begin], alone[:, begin:end], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("offset", [0, 20, 63, 200])
+@pytest.mark.parametrize("first,ends", [((0, 0), (64, 64)), ((40, 3), (90, 100)), ((70, 10), (75, 200)), ((5, 5), (5, 30))])
+def test_host_bound_on_candidates_equals_the_device_maximum(first, ends, offset):
+    """Tiles take top_n bounds from host ints, not from the limits tensor: they must agree,
+    including queries past a row's end (counted at its last real token)."""
+    spans = ann_attention.query_spans(torch.tensor(first), torch.tensor(ends), 2, offset + 1, "cpu")
+    limits = ann_attention.candidate_limits(spans.positions(0, offset + 1), spans.ends, 16, 8)
+    assert ann_attention.most_candidates(spans, offset, 16, 8) == int(limits.max())
+
+
 def ann_model(retrieval="exact", **overrides):
     torch.manual_seed(0)
     settings = dict(
