@@ -37,13 +37,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from model.pruned_selection import (
-    DEFAULT_GROUP_SIZES,
-    DEFAULT_QUERY_GROUP,
-    DEFAULT_SEED_WIDTH,
-    SuperBlockBounds,
-    pruned_select,
-)
+from common.cpu_memory import retain_freed_memory
+from model.pruned_selection import DEFAULT_GROUP_SIZES, DEFAULT_QUERY_GROUP, MIN_PRUNED_BLOCKS, SuperBlockBounds, pruned_select
 from model.retrieval import block_summaries, exact_select, selection_queries
 
 KEY_KINDS = ("random", "topics", "documents", "repeats", "needle")
@@ -62,7 +57,12 @@ def parse_args(argv=None):
     p.add_argument("--head_dim", type=int, default=64)
     p.add_argument("--group_sizes", type=int, nargs="+", default=list(DEFAULT_GROUP_SIZES))
     p.add_argument("--query_group", type=int, default=DEFAULT_QUERY_GROUP)
-    p.add_argument("--seed_width", type=int, default=DEFAULT_SEED_WIDTH)
+    p.add_argument("--seed_width", type=int, default=None, help="default: top_n")
+    p.add_argument("--min_blocks", type=int, default=MIN_PRUNED_BLOCKS, help="below it pruned_select scores every candidate")
+    p.add_argument(
+        "--allocator", choices=("retain", "system"), default="retain",
+        help="retain: freed memory stays in the process (common/cpu_memory.py), as in the trainers",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -159,7 +159,7 @@ def measure(args, kind, summary, num_blocks):
     del keys
     group_queries = selection_queries(queries, args.kv_heads, summary)
     limits = tile_limits(num_blocks, args.queries, args.block_size)
-    settings = dict(query_group=args.query_group, seed_width=args.seed_width)
+    settings = dict(query_group=args.query_group, seed_width=args.seed_width, min_blocks=args.min_blocks)
     bounds = SuperBlockBounds.of(summaries, args.group_sizes)
     stats = {}
     pruned = pruned_select(group_queries, summaries, limits, args.top_n, bounds, stats, **settings)
@@ -200,6 +200,8 @@ def format_table(rows):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.allocator == "retain" and not retain_freed_memory():
+        print("--allocator retain: no glibc mallopt here, the system allocator stays", file=sys.stderr)
     torch.set_num_threads(args.threads)
     rows = []
     for num_blocks in args.blocks:

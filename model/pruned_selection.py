@@ -14,16 +14,21 @@ max hi and min lo of its blocks' summaries, and for any x and any block j inside
 
 whatever the summary kind. Levels stack: a level-2 node bounds S2 level-1 nodes, and so on. One call:
     1. the top level's bounds for every query (one matmul over few rows);
-    2. seed: each query descends through its best `seed_width` nodes per level to exact scores of a
-       few blocks; its n-th best is a threshold tau (-inf with fewer than n candidates there);
-    3. descent: queries go in groups of Q consecutive ones (a tile's neighbours seek alike); a group
-       keeps the union of its queries' surviving nodes (bound >= tau), scores their children for
-       all its queries with one matmul, and so on down to exact block scores; top-n of those.
+    2. seed: queries go in groups of Q; level by level, a group keeps the union of its queries'
+       `seed_width` best nodes and scores their children for all its queries with one matmul, down
+       to exact scores of a few blocks; a query's n-th best of those is its threshold tau (-inf
+       with fewer than n candidates there);
+    3. descent: queries are regrouped by their best seed block, so that a group's queries seek
+       alike; a group keeps the union of its queries' surviving nodes (bound >= tau), scores their
+       children the same way, and so on down to exact block scores; top-n of those.
 A node whose blocks are only partly candidates keeps its bound (still an upper bound); a node with
 no candidate block is dropped, and a non-candidate block is masked at exact scoring. Where a
-group's surviving children would be most of a level, that level is scored whole instead (no
-gather): on keys whose bounds prune nothing (e.g. i.i.d. random, where a super-block's max over
-S*B keys is far above any block's score) a call costs exact scoring plus the bounds.
+group's surviving children would be a large part of a level, the level is scored whole instead
+(one matmul, no gather), or, where that would cost more than it can save, the blocks are scored
+whole at once: on keys whose bounds prune nothing (e.g. i.i.d. random, where a super-block's max
+over S*B keys is far above any block's score) a call costs exact scoring plus the top levels and
+the seed. Gathered rows cost far more per score than one large matmul, so pruning pays only where
+it leaves a small fraction of the blocks (benchmarks/bench_selection.py measures where).
 
 Rounding: a node survives unless its bound is below tau by more than the float rounding of a
 bound and a score could account for (`rounding_margin`), so a block that could be in the exact
@@ -169,10 +174,9 @@ def scored_nodes(vectors, rows, parents, size, span, limits):
     """Scores of one level's nodes (or blocks) for every query, those with no candidate block at -inf.
 
     vectors (H, G, Q, c); rows (H, R, c), one per node; span: blocks per node; limits (H, G, Q);
-    parents None: every row, by one matmul; else (H, G, P, U) node ids of the level above with -1
-    for none and P = 1 (one list shared by the group's Q queries) or Q (a list per query), whose
-    `size` children are gathered and scored
-    -> ids (H|1, G|1, P|1, C) with -1 for none, scores (H, G, Q, C).
+    parents None: every row, by one matmul; else (H, G, 1, U) node ids of the level above shared by
+    the group's Q queries, -1 for none, whose `size` children are gathered and scored
+    -> ids (H|1, G|1, 1, C) with -1 for none, scores (H, G, Q, C).
     """
     H, G, Q, c = vectors.shape
     R = rows.shape[1]
@@ -185,12 +189,10 @@ def scored_nodes(vectors, rows, parents, size, span, limits):
             no_candidate = ids[..., first:] * span >= limits[..., None]
             scores[..., first:].masked_fill_(no_candidate, NEG_INF)
         return ids, scores
-    P = parents.shape[2]
     ids = (parents[..., None] * size + torch.arange(size, device=parents.device)).flatten(-2)
     ids = ids.masked_fill((parents < 0).repeat_interleave(size, dim=-1) | (ids >= R), -1)
     gathered = gather_rows(rows, ids.clamp(min=0))
-    scores = vectors.view(H, G, P, Q // P, c) @ gathered.transpose(-1, -2)
-    scores = scores.view(H, G, Q, -1)
+    scores = vectors @ gathered[:, :, 0].transpose(-1, -2)
     no_candidate = (ids < 0) | (ids * span >= limits[..., None])
     return ids, scores.masked_fill_(no_candidate, NEG_INF)
 
@@ -224,7 +226,8 @@ def walk(steps, top_scores, limits, keep, stats, jump_to_blocks):
 
     steps as in pruned_select with vectors (H, G, Q, c); top_scores (H, G, Q, R_top); limits
     (H, G, Q); keep: scores (H, G, Q, C) -> the nodes each query keeps (bool, same shape)
-    -> block ids (H|1, G|1, 1, C) and scores (H, G, Q, C), non-candidates at -inf.
+    -> block ids (H|1, G|1, 1, C), scores (H, G, Q, C) with non-candidates at -inf, and whether
+    every block was scored.
     """
     ids = torch.arange(top_scores.shape[-1], device=top_scores.device).view(1, 1, 1, -1)
     scores = top_scores
@@ -239,7 +242,7 @@ def walk(steps, top_scores, limits, keep, stats, jump_to_blocks):
         count_scores(stats, span, scores)
         if span == 1:
             break
-    return ids, scores
+    return ids, scores, parents is None
 
 
 def in_best(width):
@@ -361,12 +364,16 @@ def pruned_select(group_queries, summaries, limits, top_n, bounds=None, stats=No
 
     # Seed: each query's tau is the n-th best exact score over the blocks that its group reaches by
     # keeping each query's seed_width best nodes per level.
-    seeds = [best_blocks(ids, scores, top_n) for ids, scores in walk_groups(None, lambda part: in_best(seed_width), False)]
-    seed_values = ungrouped([values for values, _ in seeds], None)
-    tau, best_block = seed_values[..., -1:], ungrouped([ids[..., :1] for _, ids in seeds], None)[..., 0]
+    walks = walk_groups(None, lambda part: in_best(seed_width), False)
+    seeds = [best_blocks(ids, scores, top_n) for ids, scores, _ in walks]
+    seed_values, seed_ids = (ungrouped(parts, None) for parts in zip(*seeds))
+    if all(whole for _, _, whole in walks):
+        # Each group's seed reached so many blocks that it scored them all: that is the answer.
+        return selection(seed_values, seed_ids, (b, g, s, top_n))
+    tau, best_block = seed_values[..., -1:], seed_ids[..., 0]
     # Queries that seek the same blocks go in one group, so that the groups' unions stay small.
     order = best_block.masked_fill(seed_values[..., 0] == NEG_INF, -1).argsort(dim=1, stable=True)
     floor = grouped(tau - margin, order, NEG_INF)
-    results = [best_blocks(ids, scores, top_n) for ids, scores in walk_groups(order, lambda part: at_least(floor[:, part]), True)]
+    results = [best_blocks(ids, scores, top_n) for ids, scores, _ in walk_groups(order, lambda part: at_least(floor[:, part]), True)]
     values = ungrouped([values for values, _ in results], order)
     return selection(values, ungrouped([ids for _, ids in results], order), (b, g, s, top_n))
