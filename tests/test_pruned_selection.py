@@ -21,6 +21,12 @@ def make_inputs(num_blocks, kind, summary, kv_heads, batch, queries=24, seed=0):
     if kind == "repetitive":
         # One 3-block passage over and over: many equal summaries, so many tied scores.
         keys = keys[:, :, : 3 * BLOCK].repeat(1, 1, -(-num_blocks // 3), 1)[:, :, : num_blocks * BLOCK]
+    elif kind == "topics":
+        # Runs of 32 blocks on one of 8 topics; each query seeks one: bounds prune some, not all.
+        topics = 4.0 * torch.randn(8, HEAD_DIM, generator=generator)
+        run_topics = torch.randint(0, 8, (-(-num_blocks // 32),), generator=generator)
+        keys = keys + topics[run_topics].repeat_interleave(32 * BLOCK, dim=0)[: num_blocks * BLOCK]
+        q = q + topics[torch.randint(0, 8, (queries,), generator=generator)][:, None].transpose(0, 1)
     elif kind == "needle":
         direction = torch.randn(HEAD_DIM, generator=generator)
         direction = direction / direction.norm()
@@ -64,7 +70,7 @@ def assert_same_selection(group_queries, summaries, limits, top_n, found):
 
 LENGTHS = [pytest.param(1, id="1block"), pytest.param(37, id="37blocks_odd_tail"), pytest.param(301, id="301blocks")]
 TOP_NS = [pytest.param(n, id=f"top{n}") for n in (1, 4, 16)]
-KINDS = ["random", "repetitive", "needle"]
+KINDS = ["random", "repetitive", "topics", "needle"]
 SUMMARIES = ["bounds", "mean"]
 SHAPES = [pytest.param(1, 1, id="mha_b1"), pytest.param(2, 2, id="gqa2_b2")]
 
@@ -143,6 +149,16 @@ def test_precomputed_bounds_are_used_and_checked():
         pruned_select(group_queries, summaries[:, :, :299], limits.clamp(max=299), 4, bounds=bounds, min_blocks=0)
     with pytest.raises(ValueError, match="group sizes must be integers >= 2"):
         SuperBlockBounds((4, 1))
+
+
+@pytest.mark.parametrize("summary", SUMMARIES)
+@pytest.mark.parametrize("top_n", [pytest.param(1, id="top1"), pytest.param(4, id="top4")])
+def test_pruned_select_matches_exact_select_where_pruning_is_partial(summary, top_n):
+    group_queries, summaries, limits = make_inputs(2000, "topics", summary, kv_heads=2, batch=2, queries=40)
+    stats = {}
+    found = pruned_select(group_queries, summaries, limits, top_n, stats=stats, group_sizes=(2, 2, 2, 2), query_group=1, min_blocks=0)
+    assert_same_selection(group_queries, summaries, limits, top_n, found)
+    assert stats["exact_scores"] < 0.5 * stats["dense_scores"], stats  # the descent ran and pruned
 
 
 @pytest.mark.parametrize("summary", SUMMARIES)
