@@ -20,7 +20,7 @@ Keys (all with queries made to look for something in the text):
     needle   random keys, and top_n blocks spread over the text whose keys all lie far along the
              queries' common direction: every query's best blocks by a wide margin (a passkey).
 
-    python benchmarks/bench_selection.py --json docs/bench/selection.json
+    python benchmarks/bench_selection.py --threads 1 --repeats 3 --json docs/bench/selection.json
 """
 
 import argparse
@@ -178,8 +178,8 @@ def measure(args, kind, summary, num_blocks):
     return dict(
         keys=kind, summary=summary, blocks=num_blocks, tokens=num_blocks * args.block_size,
         exact_ms=1e3 * times["exact"], pruned_ms=1e3 * times["pruned"], speedup=times["exact"] / times["pruned"],
-        exact_fraction=stats["exact_scores"] / stats["dense_scores"],
-        bound_fraction=stats["bound_scores"] / stats["dense_scores"],
+        exact_fraction=stats.get("exact_scores", 0) / stats["dense_scores"],
+        bound_fraction=stats.get("bound_scores", 0) / stats["dense_scores"],
         build_ms=1e3 * times["bounds_build"], agree=agree,
     )
 
