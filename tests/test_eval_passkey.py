@@ -179,8 +179,9 @@ def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv):
 
 
 def test_runs_as_a_file():
+    # The timeout only guards against a hang: torch and transformers take 10-50 s to import on a loaded 2-core machine.
     result = subprocess.run([sys.executable, "scripts/eval_passkey.py", "--help"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "--prefill_chunk" in result.stdout
 
 

@@ -1,32 +1,12 @@
-"""Retrievers: exact top-n by inner product, HNSW agreeing with it, auto switching between them."""
+"""Retrievers: exact top-n by inner product, auto choosing between exact and HNSW per query, settings."""
 
-import numpy as np
 import pytest
 import torch
 
 from model import MiniMindConfig
 from model.hnsw import HnswRetriever
 from model.retrieval import AutoRetriever, build_retriever, candidate_count, exact_select
-
-
-def structured_summaries(num_blocks, dim=32, topics=12, seed=0):
-    """Block summaries that look like a document's: a drifting mean plus recurring topics, not i.i.d."""
-    generator = np.random.default_rng(seed)
-    topic_vectors = generator.normal(size=(topics, dim)) * 2.0
-    drift = np.cumsum(generator.normal(scale=0.05, size=(num_blocks, dim)), axis=0)
-    topic_of_block = np.repeat(generator.integers(0, topics, size=num_blocks // 4 + 1), 4)[:num_blocks]
-    vectors = drift + topic_vectors[topic_of_block] + generator.normal(scale=0.5, size=(num_blocks, dim))
-    queries = topic_vectors[generator.integers(0, topics, size=64)] + generator.normal(scale=0.5, size=(64, dim))
-    as_tensor = lambda array: torch.tensor(array, dtype=torch.float32)[None, None]  # noqa: E731
-    return as_tensor(queries), as_tensor(vectors)
-
-
-def selected_sets(block_ids, valid):
-    return [set(ids[ok].tolist()) for ids, ok in zip(block_ids.reshape(-1, block_ids.shape[-1]), valid.reshape(-1, valid.shape[-1]))]
-
-
-def recall(found, expected):
-    return np.mean([len(a & b) / len(b) if b else 1.0 for a, b in zip(found, expected)])
+from tests.summaries import selected_sets, structured_summaries
 
 
 def test_candidate_count_follows_the_definition():
@@ -44,159 +24,6 @@ def test_exact_select_uses_only_real_candidates():
     scores = (queries @ summaries.transpose(-1, -2))[0, 0, 3]
     assert set(block_ids[0, 0, 3].tolist()) == set(scores.topk(3).indices.tolist())
     assert len(set(block_ids[0, 0, 3].tolist())) == 3
-
-
-def test_hnsw_recall_on_structured_keys_at_the_default_settings():
-    config = MiniMindConfig()
-    queries, summaries = structured_summaries(2048)
-    limits = torch.full((1, 64), 2048)
-    exact = selected_sets(*exact_select(queries, summaries, limits, 4))
-    retriever = HnswRetriever(config.hnsw_m, config.hnsw_ef_construction, config.hnsw_ef_search)
-    hnsw = selected_sets(*retriever.select(queries, summaries, limits, 4))
-    assert recall(hnsw, exact) >= 0.95
-
-
-@pytest.mark.parametrize("num_blocks", [1, 5, 150])
-def test_hnsw_selects_the_same_blocks_as_exact_where_its_recall_is_exact(num_blocks):
-    queries, summaries = structured_summaries(num_blocks, seed=num_blocks)
-    limits = torch.randint(0, num_blocks + 1, (1, 64))
-    retriever = HnswRetriever(32, 80, 256)
-    assert selected_sets(*retriever.select(queries, summaries, limits, 4)) == selected_sets(
-        *exact_select(queries, summaries, limits, 4)
-    )
-
-
-def test_hnsw_grows_incrementally_and_survives_norm_growth():
-    queries, summaries = structured_summaries(300)
-    summaries[:, :, 200:] *= 3.0  # later blocks longer than the graph's first radius: a rebuild
-    retriever = HnswRetriever(32, 80, 256)
-    radii = []
-    for limit in (10, 120, 300):
-        limits = torch.full((1, 64), limit)
-        found = selected_sets(*retriever.select(queries, summaries, limits, 4))
-        assert recall(found, selected_sets(*exact_select(queries, summaries, limits, 4))) >= 0.95
-        radii.append(retriever.graphs[0][0].radius)
-    assert radii[2] > radii[1] and retriever.stored_blocks(0) == 300
-
-
-def test_hnsw_finds_a_distinct_block_among_thousands_of_duplicated_ones():
-    """Repetitive text (passkey filler) gives thousands of blocks with one of a few summaries; they
-    share graph nodes, so a search still reaches the one block that differs."""
-    generator = np.random.default_rng(0)
-    phases = generator.normal(size=(29, 16))
-    summaries = np.tile(phases, (140, 1)) + 1e-6 * generator.normal(size=(29 * 140, 16))
-    key = generator.normal(size=16)
-    query = torch.tensor(3 * key + 0.5 * generator.normal(size=16), dtype=torch.float32).expand(1, 1, 1, 16)
-    limits = torch.zeros(1, 1, dtype=torch.long)
-    for position in generator.choice(len(summaries), 5, replace=False):
-        blocks = torch.tensor(np.insert(summaries, position, key, axis=0), dtype=torch.float32)[None, None]
-        retriever = HnswRetriever(32, 80, 64)
-        for limit in range(256, blocks.shape[2] + 256, 256):  # grows chunk by chunk, like a prefill
-            limits[:] = min(limit, blocks.shape[2])
-            block_ids, valid = retriever.select(query, blocks, limits, 4)
-        exact_best = exact_select(query, blocks, limits, 1)[0][0, 0, 0, 0].item()
-        assert valid.all() and block_ids[0, 0, 0, 0].item() == exact_best == position
-    assert retriever.graphs[0][0].node_count == 30  # 29 filler summaries and the key
-
-
-def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
-    """HNSW's neighbour pruning can leave a distinct vector with no incoming edge (the passkey's block
-    among filler, in a trained model); no search reaches it. Cut every edge into the best block: the
-    graph alone misses it, the orphan list finds it, and a block the graph does reach is not doubled."""
-    from model.hnsw import MipsHnsw
-    import faiss
-
-    queries, summaries = structured_summaries(200, dim=16)
-    vectors, query = summaries[0, 0].numpy(), queries[0, 0, 0].numpy()
-    best = int(np.argmax(vectors @ query))
-    graph = MipsHnsw(16, 8, 40, 64)
-    graph.add(vectors)
-    assert len(graph.orphans()) == 0 and graph.search(query[None], 1)[0, 0] == best
-    hnsw = graph.index.hnsw
-    neighbors = faiss.vector_to_array(hnsw.neighbors)
-    neighbors[neighbors == best] = -1  # the node of `best` is itself: no duplicates in these vectors
-    faiss.copy_array_to_vector(neighbors, hnsw.neighbors)
-    if hnsw.entry_point == best:
-        hnsw.entry_point = int(np.argmin(vectors @ query))
-    graph.reread_links(np.arange(graph.node_count))
-    assert graph.orphans().tolist() == [best]
-    _, graph_only = graph.index.search(np.concatenate([query, [0.0]])[None].astype(np.float32), 4)
-    assert best not in graph_only[0]
-    some_queries = queries[0, 0].numpy()
-    found = graph.search(some_queries, 4)
-    best_of_each = np.argmax(some_queries @ vectors.T, axis=1)
-    assert (found[:, 0] == best_of_each).all() and (best_of_each == best).any() and (best_of_each != best).any()
-    assert all(len(set(row)) == len(row) for row in found.tolist())
-
-
-def test_a_near_duplicate_joins_the_node_within_the_tolerance_of_its_vector():
-    """a ~ b and b ~ c within the tolerance, a and c not: b joins a's node, c starts its own (c is
-    compared with nodes' vectors, as it would be had a and b come in an earlier call)."""
-    from model.hnsw import MipsHnsw
-
-    base = np.zeros(4, dtype=np.float32)
-    base[0] = 10.0
-    step = np.array([0, 0.7e-3, 0, 0], dtype=np.float32)  # tolerance is 1e-4 * radius (12.5): 1.25e-3
-    vectors = np.stack([base, base + step, base + 2 * step, -base])
-    graph = MipsHnsw(4, 8, 40, 64)
-    graph.add(vectors)
-    assert graph.node_count == 3 and graph.member_counts[:3].tolist() == [2, 1, 1]
-    found = graph.search(base[None], 4)[0].tolist()
-    assert sorted(found[:3]) == [0, 1, 2] and found[3] == 3
-
-
-def growing_vectors(count, dim=16, seed=0):
-    """Structured vectors whose norms grow (radius rebuilds) with runs of exact repeats (merged nodes)."""
-    _, summaries = structured_summaries(count, dim=dim, seed=seed)
-    vectors = summaries[0, 0].numpy() * np.linspace(1.0, 6.0, count, dtype=np.float32)[:, None]
-    vectors[count // 3 : count // 3 + 40] = vectors[count // 3]
-    return vectors
-
-
-def graph_state(graph):
-    used = slice(0, graph.node_count)
-    return (graph.radius, graph.node_rows[used].tolist(), graph.members[used].tolist(), graph.links[used].tolist(),
-            graph.index.hnsw.entry_point)
-
-
-def test_graph_state_does_not_depend_on_how_insertions_are_split_or_on_faiss_threads():
-    """The state after L insertions is one state: however the calls split the vectors, and with
-    FAISS on 1 or 2 threads (it inserts a batch in parallel)."""
-    import faiss
-    from model.hnsw import MipsHnsw
-
-    vectors = growing_vectors(400)
-    states, found = [], []
-    for splits, threads in [((400,), 1), ((1, 7, 100, 292), 1), ((400,), 2)]:
-        graph = MipsHnsw(16, 8, 40, 16)
-        previous = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(threads)
-        try:
-            for part in np.split(vectors, np.cumsum(splits)[:-1]):
-                graph.add(part)
-        finally:
-            faiss.omp_set_num_threads(previous)
-        states.append(graph_state(graph))
-        found.append(graph.search(vectors[::7], 4))
-    assert states[0][0] > 1.25 * np.linalg.norm(vectors[0]) and states[0][1] != list(range(400))  # rebuilt, merged
-    assert states[1] == states[0] and states[2] == states[0]
-    assert np.array_equal(found[1], found[0]) and np.array_equal(found[2], found[0])
-
-
-def test_in_degrees_kept_per_insertion_match_a_scan_of_the_whole_graph():
-    import faiss
-    from model.hnsw import MipsHnsw
-
-    graph = MipsHnsw(16, 4, 16, 16)  # small M: lists fill up and get pruned, orphans appear
-    graph.add(growing_vectors(600))
-    hnsw = graph.index.hnsw
-    starts = faiss.vector_to_array(hnsw.offsets)[:-1].astype(np.int64)
-    linked = faiss.vector_to_array(hnsw.neighbors)[starts[:, None] + np.arange(hnsw.nb_neighbors(0))]
-    assert np.array_equal(graph.links[: graph.node_count], linked)
-    in_degree = np.bincount(linked[linked >= 0], minlength=len(starts))
-    assert np.array_equal(graph.in_degree[: graph.node_count], in_degree)
-    expected_orphans = np.flatnonzero(in_degree == 0)
-    assert graph.orphans().tolist() == expected_orphans[expected_orphans != hnsw.entry_point].tolist()
 
 
 def test_auto_switches_at_the_threshold():
@@ -218,40 +45,6 @@ def test_auto_chooses_per_query_not_per_call():
     hnsw = selected_sets(*HnswRetriever(4, 16, 8).select(queries, summaries, limits, 4))
     assert any(h != e for h, e, is_far in zip(hnsw, exact, far) if not is_far)  # the choice shows
     assert found == [h if is_far else e for h, e, is_far in zip(hnsw, exact, far)]
-
-
-def test_hnsw_answer_depends_only_on_the_query_candidates():
-    """Blocks past a query's limit can change, and the call can be split anywhere: its answer stays."""
-    queries, summaries = structured_summaries(300, seed=4)
-    limits = torch.sort(torch.randint(0, 301, (1, 64), generator=torch.Generator().manual_seed(0))).values
-    reference = HnswRetriever(4, 16, 8).select(queries, summaries, limits, 4)
-    changed = summaries.clone()
-    changed[:, :, 150:] = torch.randn(changed[:, :, 150:].shape, generator=torch.Generator().manual_seed(1))
-    unchanged = limits[0] <= 150
-    answer = HnswRetriever(4, 16, 8).select(queries, changed, limits, 4)
-    for got, expected in zip(answer, reference):
-        assert torch.equal(got[:, :, unchanged], expected[:, :, unchanged])
-    retriever = HnswRetriever(4, 16, 8)
-    pieces = [retriever.select(queries[:, :, part], summaries, limits[:, part], 4)
-              for part in (slice(0, 1), slice(1, 8), slice(8, 64))]
-    for got, expected in zip((torch.cat(parts, dim=2) for parts in zip(*pieces)), reference):
-        assert torch.equal(got, expected)
-
-
-def test_hnsw_refuses_a_limit_below_the_blocks_it_holds():
-    queries, summaries = structured_summaries(20)
-    retriever = HnswRetriever(32, 80, 64)
-    retriever.select(queries, summaries, torch.full((1, 64), 20), 4)
-    with pytest.raises(ValueError, match="hold 20 blocks and a query has 12 candidates"):
-        retriever.select(queries, summaries, torch.full((1, 64), 12), 4)
-
-
-def test_hnsw_state_is_tied_to_its_batch():
-    queries, summaries = structured_summaries(20)
-    retriever = HnswRetriever(32, 80, 64)
-    retriever.select(queries, summaries, torch.full((1, 64), 20), 4)
-    with pytest.raises(ValueError, match="holds 1 sequences, the call has 2"):
-        retriever.select(queries.expand(2, -1, -1, -1), summaries.expand(2, -1, -1, -1), torch.full((2, 64), 20), 4)
 
 
 @pytest.mark.parametrize(
