@@ -23,11 +23,20 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+# Older transformers releases (5.0 among them) copy only the model file's direct `from .x import`
+# modules out of a local trust_remote_code folder, so every module of the package is named here.
+from .ann_attention import AnnAttention  # noqa: F401
 from .attention import Attention, split_old_key_shift
 from .config import MiniMindConfig
+from .dense_attention import DenseAttention  # noqa: F401
+from .hnsw import HnswRetriever  # noqa: F401
 from .kv_cache import MiniMindCache
+from .retrieval import build_retriever  # noqa: F401
 from .rope import Rope
 from .streaming import stream_steps
+
+# transformers 5.x renamed past_key_values to cache; generate passes and reads the name of its version.
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class RMSNorm(nn.Module):
@@ -170,6 +179,7 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache=False,
         logits_to_keep=0,
         inputs_embeds=None,
+        past_key_values=None,
         **unused,
     ):
         """input_ids (b, s), or inputs_embeds (b, s, hidden) -> logits (b, s or logits_to_keep, vocab);
@@ -181,6 +191,7 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
         """
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = x.shape[:2]
+        cache = past_key_values if cache is None else cache
         if use_cache and cache is None:
             cache = self.new_cache()
         continuing = cache is not None and cache.lengths is not None
@@ -221,11 +232,11 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]).float(), next_tokens.reshape(-1), ignore_index=-100
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: cache if use_cache else None})
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate()'s cache hook: a MiniMindCache reserved for the whole output instead of a DynamicCache."""
-        given = model_kwargs.get("cache")
+        given = model_kwargs.get(CACHE_NAME)
         if given is not None and not isinstance(given, MiniMindCache):
             raise ValueError(f"cache must be a MiniMindCache (model.new_cache()), got {type(given).__name__}")
         if generation_config.cache_implementation is not None:
@@ -238,7 +249,7 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
         if given is not None:
             given._is_user_defined = True
         elif generation_config.use_cache:
-            model_kwargs["cache"] = self.new_cache(reserve=generation_config.max_length)
+            model_kwargs[CACHE_NAME] = self.new_cache(reserve=generation_config.max_length)
 
     def stream_generate(
         self,

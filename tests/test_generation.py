@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, TextIteratorStreamer, TextStreamer, pipeline
 
 from model import MiniMindConfig, MiniMindForCausalLM
+from model.model import CACHE_NAME
 from tests.test_parity import llama_twin
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +225,7 @@ def test_a_returned_cache_continues_the_generation(model):
     first = model.generate(input_ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                            return_dict_in_generate=True)
     mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long)], dim=1)
-    rest = greedy(model, first.sequences, 6, attention_mask=mask, cache=first.cache)
+    rest = greedy(model, first.sequences, 6, attention_mask=mask, **{CACHE_NAME: first[CACHE_NAME]})
     assert torch.equal(torch.cat([first.sequences[:, 40:], rest[0]], dim=1), in_one_go[0])
     assert (rest[1] - in_one_go[1][:, 4:]).abs().max().item() <= TOLERANCE
 
@@ -253,7 +254,8 @@ def test_stream_generate_yields_generate_tokens_and_stops_when_closed(light_mode
     "call, message",
     [
         (lambda m, ids: m.generate(ids, max_new_tokens=3, num_beams=2), "beam search is not supported"),
-        (lambda m, ids: m.generate(ids, max_new_tokens=3, cache=DynamicCache()), "cache must be a MiniMindCache"),
+        (lambda m, ids: m.generate(ids, max_new_tokens=3, **{CACHE_NAME: DynamicCache()}),
+         "cache must be a MiniMindCache"),
         (lambda m, ids: m.generate(ids, max_new_tokens=3, cache_implementation="static"), "not supported"),
         (lambda m, ids: m.generate(ids, max_new_tokens=3, prefill_chunk=8), "not used by the model: ['prefill_chunk']"),
         (lambda m, ids: next(m.stream_generate(ids, top_p=0)), "top_p must be in (0, 1]"),
