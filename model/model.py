@@ -31,6 +31,7 @@ from .config import MiniMindConfig
 from .dense_attention import DenseAttention  # noqa: F401
 from .hnsw import HnswRetriever  # noqa: F401
 from .kv_cache import MiniMindCache
+from .pruned_selection import pruned_select  # noqa: F401
 from .retrieval import build_retriever  # noqa: F401
 from .rope import Rope
 from .streaming import stream_steps
