@@ -420,8 +420,12 @@ class AnnAttention:
         outputs = []
         for index, (q_tile, tile_slab) in enumerate(zip(q_tiles, tile_slabs(slab, tile_size, self.window))):
             tile = self.tile_queries(q_tile, index * tile_size, spans, rope, far_rope)
-            blocks = self.select_blocks(tile, spans, retriever, summaries, tables)
-            out = attend_tile(tile, tile_slab.head(tile.positions.shape[1] + self.window), blocks, self.window)
+            tile_slab = tile_slab.head(tile.positions.shape[1] + self.window)
+            # Bound to no name, the gathered blocks (a tile's largest tensors) are freed before the
+            # next tile gathers its own, unless autograd keeps them.
+            out = attend_tile(
+                tile, tile_slab, self.select_blocks(tile, spans, retriever, summaries, tables), self.window
+            )
             outputs.append(out[:, :, : q_tile.shape[2]].transpose(1, 2))  # (b, T, g, r, d)
         return torch.cat(outputs, dim=1).view(b, s, h, d).transpose(1, 2)
 
