@@ -167,7 +167,8 @@ def turn_problem(turn, where: str, first: bool):
     if role not in ROLES:
         return f"{where}.role {role!r} is unknown (expected one of: {', '.join(ROLES)})"
     calls = turn.get("tool_calls")
-    if not (role == "assistant" and calls and turn.get("content") is None):  # a call needs no text beside it
+    content_optional = role == "assistant" and bool(calls)  # a tool call needs no text beside it
+    if not (content_optional and turn.get("content") is None):
         if "content" not in turn:
             return f"{where} is missing field 'content'"
         if not isinstance(turn["content"], str):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from dataset.chat_messages import CHAT_TEMPLATE, conversation_problem, template_messages
+from dataset.chat_messages import CHAT_TEMPLATE, conversation_problem, template_messages, tools_problem
 from dataset.lm_dataset import DataFormatError, SFTDataset, sft_record_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -243,11 +243,14 @@ def test_optional_and_null_fields_are_accepted(tokenizer, shape):
 
 
 def test_chat_requests_are_checked_by_the_same_rules_without_needing_an_answer():
-    """A chat request's messages end before the answer; messages name the request's own field."""
+    """A chat request's messages end before the answer; messages name the request's own fields."""
     assert conversation_problem([USER], name="messages") is None
     assert sft_record_problem({"conversations": [USER]}) == "conversation has no assistant turn"
     assert conversation_problem([USER, {"role": "tool", "content": "x"}], name="messages") == \
         "messages[1] is a tool result, but no assistant turn with tool_calls comes right before it"
+    assert tools_problem([WEATHER_SCHEMA], "tools") is None
+    assert tools_problem([{"type": "function", "function": {"name": 1}}], "tools") == \
+        "tools[0].function.name must be a non-empty string, got number"
 
 
 def test_sft_file_with_a_malformed_tool_record_names_its_line_or_skips_it(tmp_path, tokenizer):
