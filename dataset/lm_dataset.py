@@ -2,7 +2,11 @@
 Pretraining and SFT datasets over JSONL files (one JSON object per line, minimind format):
 
     pretrain: {"text": "..."}
-    sft:      {"conversations": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+    sft:      {"conversations": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}
+
+SFT turns may also carry tools (a system turn's "tools"/"functions"), an assistant's "tool_calls" and
+"reasoning_content", and tool results (role "tool"): dataset/chat_messages.py lists the accepted shapes
+and how the chat template renders them.
 
 Both datasets return (input_ids, labels), two LongTensors of shape [max_length]:
     input_ids  token ids, right-padded with <|endoftext|> (id 0)
@@ -32,11 +36,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dataset.chat_messages import conversation_problem, json_type, template_messages
+
 IGNORE_INDEX = -100
 END_OF_TEXT = "<|endoftext|>"  # document end and padding (id 0)
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHAT_ROLES = ("system", "user", "assistant")
-INDEX_VERSION = 2  # bump when the index layout or the validation rules change
+INDEX_VERSION = 3  # bump when the index layout or the validation rules change
 MAX_REPORTED_BAD_LINES = 5
 UTF8_BOM = b"\xef\xbb\xbf"
 ANNOUNCE_SCAN_BYTES = 64 * 2**20  # a scan of a file this big takes a while: say so
@@ -63,12 +68,6 @@ class DataFormatError(ValueError):
 
 # ----------------------------------------------------------------------------- validation
 
-def json_type(value) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-             float: "number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
 def pretrain_record_problem(record: dict):
     """None if the record is a usable pretraining document, else what is wrong with it."""
     if "text" not in record:
@@ -82,25 +81,12 @@ def pretrain_record_problem(record: dict):
 
 
 def sft_record_problem(record: dict):
-    """None if the record is a usable conversation, else what is wrong with it."""
+    """None if the record is a usable conversation with at least one assistant turn, else what is wrong with it."""
     if "conversations" not in record:
         return "missing field 'conversations'"
     turns = record["conversations"]
-    if not isinstance(turns, list):
-        return f"field 'conversations' must be an array, got {json_type(turns)}"
-    if not turns:
-        return "field 'conversations' is an empty array"
-    for i, turn in enumerate(turns):
-        where = f"conversations[{i}]"
-        if not isinstance(turn, dict):
-            return f"{where} must be an object, got {json_type(turn)}"
-        for field in ("role", "content"):
-            if field not in turn:
-                return f"{where} is missing field '{field}'"
-            if not isinstance(turn[field], str):
-                return f"{where}.{field} must be a string, got {json_type(turn[field])}"
-        if turn["role"] not in CHAT_ROLES:
-            return f"{where}.role {turn['role']!r} is unknown (expected one of: {', '.join(CHAT_ROLES)})"
+    if problem := conversation_problem(turns):
+        return problem
     if not any(turn["role"] == "assistant" for turn in turns):
         return "conversation has no assistant turn"
     return None
@@ -345,12 +331,13 @@ def assistant_answer_mask(ids: list, assistant_header: list, im_end_id: int) -> 
 
 
 class SFTDataset(JsonlDataset):
-    """Conversations rendered with the tokenizer's chat template; loss only on the assistant answers.
+    """Conversations rendered with the tokenizer's chat template; loss only on what the assistant writes.
 
     item i -> (input_ids [max_length], labels [max_length]):
         input_ids = tokens of the rendered conversation, cut to max_length, padded with <|endoftext|>
-        labels    = -100 except on each assistant answer's content tokens and its closing <|im_end|>
-                    (not on the "<|im_start|>assistant\\n" header, the "\\n" after <|im_end|>, or other roles).
+        labels    = -100 except on each assistant turn's tokens after its "<|im_start|>assistant\\n" header:
+                    think block, content, tool calls and the closing <|im_end|> (not the header, the "\\n"
+                    after <|im_end|>, or system, user and tool-result turns).
     A sample whose answers were all cut off by max_length has no label: it is counted in
     report()["no_labels"] and a warning names its line, but it is still returned.
     """
@@ -364,7 +351,7 @@ class SFTDataset(JsonlDataset):
 
     def __getitem__(self, i):
         conversation = self.read_record(i)["conversations"]
-        rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False)
+        rendered = self.tokenizer.apply_chat_template(template_messages(conversation), tokenize=False)
         # one token beyond max_length is enough to tell whether the conversation was cut
         ids = self.tokenizer(rendered, add_special_tokens=False, truncation=True,
                              max_length=self.max_length + 1)["input_ids"]

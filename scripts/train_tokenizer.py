@@ -10,22 +10,22 @@ quality benchmarks also tokenizes compactly:
       /work/shared/data/tinyshakespeare.txt /work/shared/data/sanguo.txt --out model/tokenizer
 
 Special tokens: <|endoftext|>=0 (also pad and unk), <|im_start|>=1 (bos), <|im_end|>=2 (eos).
-Encoding never adds special tokens by itself; the chat template writes them explicitly.
+Encoding never adds special tokens by itself; the chat template (dataset/chat_messages.py) writes them explicitly.
 """
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dataset.chat_messages import CHAT_TEMPLATE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 def read_texts(path):
@@ -41,7 +41,7 @@ def read_texts(path):
             if "text" in record:
                 yield record["text"]
             else:
-                yield "\n".join(message["content"] for message in record["conversations"])
+                yield "\n".join(message.get("content") or "" for message in record["conversations"])
 
 
 SENTENCE_END = re.compile(r"(?<=[.?!。？！\n])")

@@ -182,7 +182,7 @@ BAD_LINES = [
     ("sft", b'{"conversations": [{"role": "user", "content": null}]}',
      "conversations[0].content must be a string, got null"),
     ("sft", b'{"conversations": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}',
-     "conversations[1].role 'bot' is unknown (expected one of: system, user, assistant)"),
+     "conversations[1].role 'bot' is unknown (expected one of: system, user, assistant, tool)"),
     ("sft", b'{"conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}',
      "conversation has no assistant turn"),
 ]

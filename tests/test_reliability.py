@@ -133,7 +133,7 @@ BAD_INPUTS = [
     ("sft", [GOOD_SFT, GOOD_PRETRAIN], 2, "missing field 'conversations'"),
     ("sft", [GOOD_SFT, {"conversations": "hello"}], 2, "field 'conversations' must be an array, got string"),
     ("sft", [GOOD_SFT, conversation(("user", "Hi"), ("bot", "Hello"))], 2,
-     "conversations[1].role 'bot' is unknown (expected one of: system, user, assistant)"),
+     "conversations[1].role 'bot' is unknown (expected one of: system, user, assistant, tool)"),
     ("sft", [GOOD_SFT, {"conversations": [{"role": "user"}]}], 2, "conversations[0] is missing field 'content'"),
     ("sft", [GOOD_SFT, GOOD_SFT, conversation(("system", "Be brief."), ("user", "Hi"))], 3,
      "conversation has no assistant turn"),
@@ -206,5 +206,5 @@ def test_skip_bad_lines_for_sft_and_a_conversation_cut_before_its_answer(tmp_pat
     assert report["used"] == 5 and report["skipped_bad"] == 2 and report["skipped_empty"] == 1
     assert report["first_bad"] == [[5, "conversation has no assistant turn"],
                                    [8, "conversations[1].role 'narrator' is unknown "
-                                       "(expected one of: system, user, assistant)"]]
+                                       "(expected one of: system, user, assistant, tool)"]]
     assert report["truncated"] == 1 and report["no_labels"] == 1
