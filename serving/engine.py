@@ -3,8 +3,14 @@
 A step is one prefill chunk or one generated token of one request, so up to `max_active` requests
 progress together and a long prompt never stalls the answers being streamed meanwhile; more wait
 in a queue. Each request has its own batch-1 cache: from the prefix cache when its prompt starts
-with an entry's tokens (only the rest is prefilled), else a new one, and it goes back into the
-prefix cache when the request ends, however it ends (done, stop string, cancelled).
+with an entry's tokens (only the rest is prefilled), else a new one.
+
+Two caches of a request go into the prefix cache. A copy taken before the prompt's last token
+(prompt minus one token: the same prompt again, or any follow-up turn, reuses it), and the cache
+itself when the request ends, however it ends (done, stop string, cancelled), holding the prompt
+and the answer tokens fed so far: kept only when the answer's text tokenizes back to those ids,
+since a follow-up prompt is text rendered by the chat template and tokenized anew (a model can emit
+token sequences that tokenization never produces, e.g. bytes of an incomplete character).
 
 Requests talk to their caller through `emit(event)`, called on the worker thread; a caller that
 goes away sets `cancelled`, and the request ends before its next step.
@@ -18,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from .prefix_cache import fork_cache
 from .text_stream import TextStream
 
 
@@ -92,6 +99,7 @@ class Engine:
         self.eos_id = tokenizer.eos_token_id
         self.waiting = queue.Queue()
         self.active = []
+        self.cancelled = 0  # requests ended because their caller went away
         self.stats = self.snapshot()
         self.thread = threading.Thread(target=self.serve_forever, name="engine", daemon=True)
 
@@ -106,7 +114,7 @@ class Engine:
     def snapshot(self):
         """What /health shows, replaced whole so other threads never read it half-updated."""
         return {"active": len(self.active), "waiting": self.waiting.qsize(), "cache_entries": len(self.prefix_cache),
-                "cache_bytes": self.prefix_cache.nbytes}
+                "cache_bytes": self.prefix_cache.nbytes, "cancelled": self.cancelled}
 
     def serve_forever(self):
         with torch.inference_mode():
@@ -124,6 +132,7 @@ class Engine:
             except queue.Empty:
                 return
             if job.cancelled.is_set():
+                self.cancelled += 1
                 job.emit(Finished("cancelled", 0))
                 continue
             self.active.append(self.begin(job))
@@ -151,7 +160,11 @@ class Engine:
             if job.cancelled.is_set():
                 return self.end(running, "cancelled")
             if running.to_prefill:
-                chunk, running.to_prefill = running.to_prefill[: self.prefill_chunk], running.to_prefill[self.prefill_chunk :]
+                # The last prompt token goes alone, after a copy of the cache holding the rest is kept.
+                size = min(self.prefill_chunk, len(running.to_prefill) - 1) or 1
+                if len(running.to_prefill) == 1 and running.fed and self.prefix_cache.budget_bytes:
+                    self.prefix_cache.put(running.fed, fork_cache(running.cache))
+                chunk, running.to_prefill = running.to_prefill[:size], running.to_prefill[size:]
                 logits = self.forward(running, chunk)
                 if running.to_prefill:
                     return None
@@ -177,8 +190,11 @@ class Engine:
 
     def end(self, running, reason):
         self.active.remove(running)
+        self.cancelled += reason == "cancelled"
         piece = running.text.finish() if reason != "cancelled" else ""
         if piece:
             running.job.emit(Text(piece))
-        self.prefix_cache.put(running.fed, running.cache)
+        answer_ids = running.fed[len(running.job.prompt_ids) :]
+        if self.tokenizer(running.text.text, add_special_tokens=False).input_ids[: len(answer_ids)] == answer_ids:
+            self.prefix_cache.put(running.fed, running.cache)
         running.job.emit(Finished(reason, running.generated))

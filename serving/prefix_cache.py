@@ -7,9 +7,11 @@ cache back when done. The size of an entry is the bytes its cache holds: tensor 
 (spare capacity included) and an estimate for each FAISS graph.
 """
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import faiss
 import numpy as np
 import torch
 
@@ -25,27 +27,54 @@ def faiss_index_bytes(index):
     return int(index.ntotal * (4 * index.d + HNSW_LINK_BYTES * links + 16))
 
 
-def cache_bytes(cache):
-    """Bytes held by a model cache: every tensor and numpy array it reaches (counted once) and its FAISS indexes."""
-    seen, total, pending = set(), 0, [cache]
+def cache_leaves(cache):
+    """Every tensor, numpy array and FAISS object a model cache reaches, each once (not inside FAISS objects)."""
+    seen, pending = set(), [cache]
     while pending:
         item = pending.pop()
         if id(item) in seen or item is None or isinstance(item, (int, float, str, bool)):
             continue
         seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            total += item.untyped_storage().nbytes()
-        elif isinstance(item, np.ndarray):
-            total += item.nbytes
-        elif type(item).__module__.startswith("faiss"):
-            total += faiss_index_bytes(item) if hasattr(item, "ntotal") else 0
+        if isinstance(item, (torch.Tensor, np.ndarray)) or type(item).__module__.startswith("faiss"):
+            yield item
         elif isinstance(item, dict):
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):
             pending.extend(item)
         elif hasattr(item, "__dict__"):
             pending.extend(vars(item).values())
+
+
+def cache_bytes(cache):
+    """Bytes held by a model cache: its tensors' and arrays' storage and its FAISS indexes' estimates."""
+    total = 0
+    for leaf in cache_leaves(cache):
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.untyped_storage().nbytes()
+        elif isinstance(leaf, np.ndarray):
+            total += leaf.nbytes
+        elif hasattr(leaf, "ntotal"):
+            total += faiss_index_bytes(leaf)
     return total
+
+
+def fork_cache(cache):
+    """An independent copy of a model cache: FAISS indexes cloned (they cannot be pickled), the rest deep-copied.
+
+    A FAISS member struct kept beside its index (the HNSW retriever keeps `index.hnsw`) maps to the
+    clone's; SWIG hands out a new Python object per access, so they are matched by address.
+    """
+    leaves = list(cache_leaves(cache))
+    memo, members = {}, {}
+    for leaf in leaves:
+        if hasattr(leaf, "ntotal"):
+            clone = memo[id(leaf)] = faiss.clone_index(leaf)
+            if hasattr(leaf, "hnsw"):
+                members[int(leaf.hnsw.this)] = clone.hnsw
+    for leaf in leaves:
+        if type(leaf).__module__.startswith("faiss") and id(leaf) not in memo:
+            memo[id(leaf)] = members[int(leaf.this)]
+    return copy.deepcopy(cache, memo)
 
 
 @dataclass
