@@ -121,7 +121,12 @@ class Engine:
             while True:
                 self.admit()
                 for running in list(self.active):
-                    self.step(running)
+                    try:
+                        self.step(running)
+                    except Exception as error:  # a failure ends this request only; its cache may be half-written
+                        if running in self.active:
+                            self.active.remove(running)
+                        running.job.emit(Failed(f"generation failed: {type(error).__name__}: {error}"))
                 self.stats = self.snapshot()
 
     def admit(self):
@@ -156,25 +161,20 @@ class Engine:
 
     def step(self, running):
         job = running.job
-        try:
-            if job.cancelled.is_set():
-                return self.end(running, "cancelled")
+        if job.cancelled.is_set():
+            return self.end(running, "cancelled")
+        if running.to_prefill:
+            # The last prompt token goes alone, after a copy of the cache holding the rest is kept.
+            size = min(self.prefill_chunk, len(running.to_prefill) - 1) or 1
+            if len(running.to_prefill) == 1 and running.fed and self.prefix_cache.budget_bytes:
+                self.prefix_cache.put(running.fed, fork_cache(running.cache))
+            chunk, running.to_prefill = running.to_prefill[:size], running.to_prefill[size:]
+            logits = self.forward(running, chunk)
             if running.to_prefill:
-                # The last prompt token goes alone, after a copy of the cache holding the rest is kept.
-                size = min(self.prefill_chunk, len(running.to_prefill) - 1) or 1
-                if len(running.to_prefill) == 1 and running.fed and self.prefix_cache.budget_bytes:
-                    self.prefix_cache.put(running.fed, fork_cache(running.cache))
-                chunk, running.to_prefill = running.to_prefill[:size], running.to_prefill[size:]
-                logits = self.forward(running, chunk)
-                if running.to_prefill:
-                    return None
-            else:
-                logits = self.forward(running, [running.last_token])
-            token = next_token(logits, job.temperature, job.top_p, running.generator)
-        except Exception as error:  # a failure ends this request only; its cache may be half-written
-            self.active.remove(running)
-            job.emit(Failed(f"generation failed: {type(error).__name__}: {error}"))
-            return None
+                return None
+        else:
+            logits = self.forward(running, [running.last_token])
+        token = next_token(logits, job.temperature, job.top_p, running.generator)
         running.generated += 1
         running.last_token = token
         if token == self.eos_id:

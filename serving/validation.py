@@ -135,8 +135,21 @@ def completion_prompt(body):
     return prompt
 
 
+# Fields whose non-default value would change the answer in a way this server does not implement.
+UNSUPPORTED = {"tools": None, "functions": None, "tool_choice": None, "response_format": None, "logprobs": (None, False),
+               "top_logprobs": None, "logit_bias": None, "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+               "best_of": (None, 1), "echo": (None, False), "suffix": None}
+
+
+def refuse_unsupported(body):
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and body[name] not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
 def generation(body, prompt_ids, limits, prompt_param):
     """The sampling fields of a chat or completion body, checked against the limits and the prompt."""
+    refuse_unsupported(body)
     if integer(body, "n") not in (None, 1):
         raise ApiError(400, "'n' must be 1 (one answer per request)", param="n", code="invalid_value")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -247,6 +247,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         ("/v1/chat/completions", {**CHAT, "n": 2}, None, 400, "n"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, None, 400, "messages"),
         ("/v1/completions", {"prompt": "hi " * 100, "max_tokens": MAX_TOKENS_CAP}, None, 400, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2}, None, 400, "logprobs"),
         ("/v1/completions", {"prompt": ""}, None, 400, "prompt"),
         ("/v1/completions", {"prompt": 42}, None, 400, "prompt"),
         ("/v1/completions", {"prompt": "x" * MAX_BODY}, None, 413, None),
@@ -255,7 +257,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ids=["invalid_json", "not_an_object", "messages_not_array", "empty_messages", "unknown_role", "content_not_text",
          "no_content", "zero_max_tokens", "negative_max_tokens", "max_tokens_over_cap", "max_tokens_not_int",
          "temperature_not_number", "zero_top_p", "stop_not_strings", "stream_not_bool", "several_choices",
-         "prompt_over_context", "prompt_plus_answer_over_context", "empty_prompt", "prompt_not_text",
+         "prompt_over_context", "prompt_plus_answer_over_context", "tools", "logprobs", "empty_prompt", "prompt_not_text",
          "body_over_cap", "unknown_route"],
 )
 def test_bad_requests_get_openai_errors(served, path, body, raw, status, param):
