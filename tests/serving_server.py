@@ -1,10 +1,15 @@
 """The tests' server: a tiny ANN model saved to a folder and scripts/serve_openai_api.py serving it.
 
+One server serves every test module of a session (`shared_server`): its start-up, the imports of
+a fresh interpreter, is most of the serving tests' time. It has an API key, a 1024-token context
+and 16-token prefill chunks, so prompts are prefilled in several steps and retrieve blocks.
+
 The model is hidden 64, 2 layers, with a 16-token window, 8-token blocks and top 2, so prompts of
 40+ tokens retrieve blocks; its weights are drawn wide (std 0.3) so greedy answers vary from token
 to token, as in tests/test_generation.py.
 """
 
+import atexit
 import json
 import socket
 import subprocess
@@ -20,6 +25,11 @@ from model import MiniMindConfig, MiniMindForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_S = 180  # imports alone take half a minute on a loaded 2-core machine
+API_KEY = "test-key"
+CONTEXT = 1024
+MAX_TOKENS_CAP = 1000
+MAX_BODY = 65536
+SHARED = {}
 
 
 def tiny_model(context):
@@ -83,3 +93,14 @@ def serve_tiny_model(folder, context, *flags):
     model = tiny_model(context)
     model.save_pretrained(folder)
     return Server(folder, *flags), model
+
+
+def shared_server(tmp_path_factory):
+    """The session's server, started on first use and stopped when the session's process exits -> (Server, model)."""
+    if not SHARED:
+        server, model = serve_tiny_model(tmp_path_factory.mktemp("served") / "tiny", CONTEXT, "--api_key", API_KEY,
+                                         "--prefill_chunk", "16", "--max_tokens_cap", str(MAX_TOKENS_CAP),
+                                         "--max_body_mb", str(MAX_BODY / 2**20))
+        atexit.register(server.stop)
+        SHARED.update(server=server, model=model)
+    return SHARED["server"], SHARED["model"]

@@ -1,8 +1,8 @@
 """The OpenAI-compatible server (scripts/serve_openai_api.py, serving/): the official openai client,
 raw HTTP for refused requests, the prefix cache across turns, concurrent and disconnecting clients.
 
-One server per module, on a tiny ANN model (tests/serving_server.py) with an API key, a 1024-token
-context and 16-token prefill chunks, so prompts are prefilled in several steps and retrieve blocks.
+The server is tests/serving_server.py's: a tiny ANN model, an API key, a 1024-token context, 16-token
+prefill chunks (prompts are prefilled in several steps and retrieve blocks).
 Greedy answers are checked against model.generate on the same weights in this process.
 """
 
@@ -19,12 +19,8 @@ from transformers import AutoTokenizer
 from serving.engine import next_token
 from serving.prefix_cache import PrefixCache, cache_bytes
 from serving.text_stream import TextStream
-from tests.serving_server import REPO_ROOT, serve_tiny_model
+from tests.serving_server import API_KEY, CONTEXT, MAX_BODY, MAX_TOKENS_CAP, REPO_ROOT, shared_server, tiny_model
 
-API_KEY = "test-key"
-CONTEXT = 1024
-MAX_TOKENS_CAP = 1000
-MAX_BODY = 65536
 DOCUMENT = ("The river runs past the old mill, where the miller keeps his grain in seven tall sacks. "
             "Every morning the heron waits by the weir for the fish that the current brings down.")
 
@@ -36,11 +32,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    server, model = serve_tiny_model(tmp_path_factory.mktemp("served") / "tiny", CONTEXT, "--api_key", API_KEY,
-                                     "--prefill_chunk", "16", "--max_tokens_cap", str(MAX_TOKENS_CAP),
-                                     "--max_body_mb", str(MAX_BODY / 2**20))
-    yield server, model
-    server.stop()
+    return shared_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,7 @@ def test_models_and_health(served, client):
     server, _ = served
     assert [model.id for model in client.models.list().data] == ["tiny"]
     health = server.health()
-    assert health["status"] == "ok" and health["active"] == 0
+    assert health["status"] == "ok" and health["active"] == 0 and health["model"] == "tiny"
 
 
 def test_chat_greedy_equals_generate_and_reports_usage(served, client, tokenizer):
@@ -298,8 +290,6 @@ def test_prefix_cache_evicts_least_recently_used_past_its_byte_budget():
 
 
 def test_cache_bytes_counts_kv_buffers_summaries_and_hnsw_graphs():
-    from tests.serving_server import tiny_model
-
     model = tiny_model(512)
     sizes = {}
     for retrieval in ("exact", "hnsw"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving_server import serve_tiny_model
+from tests.serving_server import API_KEY, shared_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -21,9 +21,7 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server, _ = serve_tiny_model(tmp_path_factory.mktemp("web") / "tiny", 1024)
-    yield server
-    server.stop()
+    return shared_server(tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +39,10 @@ def page(server, tmp_path_factory):
 
 
 def test_a_sent_message_streams_an_answer_into_the_page(page):
+    page.wait_for_function("document.getElementById('status').textContent !== ''", timeout=30000)
+    assert "API key" in page.inner_text("#status")  # the server wants one, and the page says so
+    page.fill("#api_key", API_KEY)
+    page.dispatch_event("#api_key", "change")
     page.wait_for_function("document.getElementById('model').value !== ''", timeout=30000)
     assert page.input_value("#model") == "tiny"
     page.fill("#max_tokens", "12")
