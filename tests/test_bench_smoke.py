@@ -116,3 +116,17 @@ def test_bench_retrieval_model_keys(tmp_path):
     assert sorted({row["blocks"] for row in report["rows"]}) == [16, 64]  # 1000 blocks need more tokens: skipped
     check_retrieval_report(report, [16, 64], [64])
     assert report["config"]["keys"].startswith("model")
+
+
+def test_bench_serving(tmp_path):
+    json_path = tmp_path / "serving.json"
+    out = run_script(["benchmarks/bench_serving.py", "--lengths", "64", "160", "--turn_tokens", "8", "--concurrency",
+                      "1", "2", "--stream_prompt", "16", "--stream_tokens", "4", "--threads", "1",
+                      "--json", str(json_path)])
+    report = load_outputs(json_path)
+    first = [row for row in report["rows"] if row["kind"] == "first_token"]
+    assert [row["history"] for row in first] == [64, 160]
+    assert all(row["ttft_cached_s"] > 0 and row["ttft_uncached_s"] > 0 for row in first)
+    streams = [row for row in report["rows"] if row["kind"] == "concurrency"]
+    assert [(row["streams"], row["tokens"]) for row in streams] == [(1, 4), (2, 8)]
+    assert "ttft cached s" in out
