@@ -1,15 +1,15 @@
 """OpenAI request bodies -> what the engine runs, or an ApiError in OpenAI's error shape.
 
-Chat messages are checked by the SFT dataset's own validator (dataset/lm_dataset.py), so the
-server accepts exactly the conversations the model is trained on, and rendered with the
-tokenizer's chat template.
+Chat messages (tool calls, tool results and reasoning included) and a request's `tools` are
+checked by the same validator as the SFT records (dataset/chat_messages.py), so the server accepts
+exactly the conversations the model is trained on, and rendered with the tokenizer's chat template.
 """
 
 import json
 import math
 from dataclasses import dataclass
 
-from dataset.lm_dataset import sft_record_problem
+from dataset.chat_messages import conversation_problem, template_messages, tools_problem
 
 
 class ApiError(Exception):
@@ -119,10 +119,22 @@ def chat_messages(body):
     messages = [{**message, "content": message_text(message["content"], f"messages[{index}]")}
                 if isinstance(message, dict) and "content" in message else message
                 for index, message in enumerate(messages)]
-    problem = sft_record_problem({"conversations": [*messages, {"role": "assistant", "content": ""}]})
+    problem = conversation_problem(messages, "messages")
     if problem is not None:
-        raise ApiError(400, problem.replace("conversations", "messages"), param="messages", code="invalid_value")
-    return messages
+        raise ApiError(400, problem, param="messages", code="invalid_value")
+    return template_messages(messages)
+
+
+def request_tools(body):
+    """The request's function schemas (None when it has none), checked as a system turn's tools are."""
+    name = "tools" if body.get("tools") is not None else "functions"
+    tools = body.get(name)
+    if tools is None:
+        return None
+    problem = tools_problem(tools, name)
+    if problem is not None:
+        raise ApiError(400, problem, param=name, code="invalid_value")
+    return tools
 
 
 def completion_prompt(body):
@@ -136,7 +148,7 @@ def completion_prompt(body):
 
 
 # Fields whose non-default value would change the answer in a way this server does not implement.
-UNSUPPORTED = {"tools": None, "functions": None, "tool_choice": None, "response_format": None, "logprobs": (None, False),
+UNSUPPORTED = {"tool_choice": (None, "auto"), "response_format": None, "logprobs": (None, False),
                "top_logprobs": None, "logit_bias": None, "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
                "best_of": (None, 1), "echo": (None, False), "suffix": None}
 
@@ -191,7 +203,8 @@ def check_model(body):
 def chat_generation(body, tokenizer, limits):
     check_model(body)
     messages = chat_messages(body)
-    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    prompt_ids = tokenizer.apply_chat_template(messages, tools=request_tools(body), add_generation_prompt=True,
+                                               tokenize=True)["input_ids"]
     return generation(body, list(prompt_ids), limits, "messages")
 
 

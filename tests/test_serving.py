@@ -16,6 +16,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from dataset.chat_messages import template_messages
 from serving.engine import next_token
 from serving.prefix_cache import PrefixCache, cache_bytes
 from serving.text_stream import TextStream
@@ -57,6 +58,28 @@ def post(server, path, body, key=API_KEY, raw=None):
     response = httpx.post(f"{server.url}{path}", content=raw if raw is not None else json.dumps(body),
                           headers=headers, timeout=60)
     return response.status_code, response.json(), response.headers
+
+
+def test_tool_and_reasoning_messages_render_as_in_sft(served, tokenizer):
+    """The SFT record shapes (tools, tool calls, tool results, reasoning) are accepted in `messages`
+    and rendered by the chat template exactly as the SFT data is."""
+    server, _ = served
+    tools = [{"type": "function", "function": {"name": "mill_stock", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "How many sacks does the miller keep?"},
+        {"role": "assistant", "content": None, "reasoning_content": "The mill has a stock tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "mill_stock", "arguments": "{\"item\": \"grain\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+    ]
+    status, reply, _ = post(server, "/v1/chat/completions",
+                            {"model": "tiny", "messages": messages, "tools": tools, "max_tokens": 2})
+    expected = tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
+                                             tokenize=True)["input_ids"]
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(expected)
+    orphan = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "7"}]
+    status, error, _ = post(server, "/v1/chat/completions", {"model": "tiny", "messages": orphan})
+    assert status == 400 and "messages[1]" in error["error"]["message"] and error["error"]["param"] == "messages"
 
 
 def test_models_and_health(served, client):
