@@ -39,10 +39,10 @@ def read_corpus(data_dir, sources=tuple(SOURCES)):
 
 def heldout_start(text, fraction=HELDOUT_FRACTION):
     """Index of the held-out part's first character: the first line start at or after (1 - fraction)
-    of the text, so neither part ends mid-line."""
+    of the text, so neither part ends mid-line (a text without a later line break is cut right there)."""
     at = int(len(text) * (1 - fraction))
     newline = text.find("\n", max(at - 1, 0))
-    return len(text) if newline < 0 else newline + 1
+    return at if newline < 0 else newline + 1
 
 
 def split_text(text, fraction=HELDOUT_FRACTION):
