@@ -53,15 +53,15 @@ def test_training_on_the_prose_mix_writes_a_model(trained):
     assert saved["model"]["vocab"] == prose["model"]["vocab"] and saved["pre_tokenizer"] == prose["pre_tokenizer"]
 
 
-def test_eval_needles_writes_rows_per_task_language_and_retrieval(trained, corpus_dir, tmp_path, capsys):
+def test_eval_needles_writes_rows_per_task_and_retrieval(trained, corpus_dir, tmp_path, capsys):
     json_path = tmp_path / "needles.json"
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
-                              "--trials", "1", "--prefill_chunk", "128", "--json", str(json_path)]) == 0
+                              "--tasks", "multikey", "multivalue", "--langs", "zh", "--trials", "1", "--prefill_chunk", "128", "--json", str(json_path)]) == 0
     result = json.loads(json_path.read_text())
     rows, trials = result["rows"], result["trials"]
     keys = [(r["task"], r["lang"], r["length"], r["retrieval"]) for r in rows]
-    assert sorted(keys) == sorted((task, lang, length, retrieval) for task in ("single", "multikey", "multivalue")
-                                  for lang in ("en", "zh") for length in (300,) for retrieval in ("exact", "hnsw"))
+    assert sorted(keys) == sorted((task, lang, length, retrieval) for task in ("multikey", "multivalue")
+                                  for lang in ("zh",) for length in (300,) for retrieval in ("exact", "hnsw"))
     for row in rows:
         group = [t for t in trials if all(t[k] == row[k] for k in ("task", "lang", "length", "retrieval"))]
         assert row["trials"] == len(group) == 1 and row["seed"] == 0
