@@ -16,7 +16,7 @@
 # same on any machine (a slower one takes longer). SAFETY_MINUTES only guards against a runaway
 # run; when it stops a model early the script says so, and that model is not the recipe's.
 #
-# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1500), WIDE_SHIFT_FROM (1050:
+# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1000), WIDE_SHIFT_FROM (700:
 # the step from which the two-token match trains), HIDDEN (256), LAYERS (6), WINDOW (32), TOP_N (4),
 # BATCH (8), SEQ_LEN (1024), LR (3e-3), SAFETY_MINUTES (150), THREADS (2), DATA_DIR
 # (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose), EVAL_LENGTHS
@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 
 ATTNS=${ATTNS:-"ann dense"}
 SEED=${SEED:-1}
-STEPS=${STEPS:-1500}
+STEPS=${STEPS:-1000}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-$((STEPS * 7 / 10))}
 HIDDEN=${HIDDEN:-256}
 LAYERS=${LAYERS:-6}
