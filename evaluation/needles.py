@@ -191,12 +191,13 @@ def document_text(needles, pieces):
     return prompt_text(needles, pieces) + answer(needles)
 
 
-def fit_pieces(tokenizer, needles, span_texts, length):
+def fit_pieces(tokenizer, needles, span_texts, length, counts=None):
     """(token ids, pieces used): the prompt of `needles` over a prefix of span_texts whose token
     count is as close to `length` as whole pieces allow (within about one piece).
 
     span_texts must hold at least `length` tokens; the number of pieces is estimated from their
-    token counts and corrected by encoding the whole prompt a few times.
+    token counts (`counts`, computed when not given) and corrected by encoding the whole prompt a
+    few times.
     """
     def encode(count):
         # verbose=False: prompts longer than the tokenizer's nominal limit would warn.
@@ -206,7 +207,8 @@ def fit_pieces(tokenizer, needles, span_texts, length):
     if length < fixed:
         raise ValueError(f"a {needles.lang} {needles.task} prompt with {len(needles.sentences)} key sentences "
                          f"needs at least {fixed} tokens, asked for {length}")
-    counts = [len(ids) for ids in tokenizer(list(span_texts), add_special_tokens=False).input_ids]
+    if counts is None:
+        counts = [len(ids) for ids in tokenizer(list(span_texts), add_special_tokens=False).input_ids]
     best, tried, budget = None, set(), length - fixed
     while True:
         # As many pieces as the token budget holds; the budget is corrected by what encoding found.
@@ -251,13 +253,19 @@ def score(needles, text):
 
 def build_prompt(tokenizer, stream, needles, length, start):
     """(token ids, HaystackSpan of the pieces used): the prompt of `needles` at about `length`
-    tokens over the pieces `stream` (dataset/prose.py's PieceStream) reads from `start`."""
-    span = stream.take(start, length)
-    ids, count = fit_pieces(tokenizer, needles, stream.texts(span), length)
+    tokens over the pieces `stream` (dataset/prose.py's PieceStream) reads from `start`.
+
+    Pieces tokenized one by one take a few percent more tokens than joined (a line break merges
+    with what follows it), so the span is read with a margin; the span's token counts are the
+    prompt's, split between held-out and training text in the proportion of the pieces' counts.
+    """
+    span = stream.take(start, int(length * 1.1) + 64)
+    ids, count = fit_pieces(tokenizer, needles, stream.texts(span), length,
+                            [stream.token_count(i) for i in span.indices])
     used = span.indices[:count]
-    heldout_tokens = sum(stream.token_count(i) for i in used if i < stream.heldout)
-    return ids, HaystackSpan(used, sum(stream.token_count(i) for i in used), heldout_tokens,
-                             len(used) > len(stream.pieces))
+    piece_tokens = sum(stream.token_count(i) for i in used)
+    heldout_share = sum(stream.token_count(i) for i in used if i < stream.heldout) / max(piece_tokens, 1)
+    return ids, HaystackSpan(used, len(ids), round(len(ids) * heldout_share), len(used) > len(stream.pieces))
 
 
 def shortest_prompt(tokenizer, task, lang):

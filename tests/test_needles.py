@@ -121,8 +121,13 @@ def test_prompt_has_the_target_length_from_heldout_prose(tokenizer, heldout_stre
     longest_piece = max(stream.token_count(i) for i in span.indices)
     assert abs(len(ids) - length) <= longest_piece
     assert tokenizer.decode(ids) == prompt_text(needles, stream.texts(span))
-    heldout_total = sum(stream.token_count(i) for i in range(stream.heldout))
-    assert span.heldout_tokens == min(span.tokens, heldout_total) and not span.wrapped
+    assert span.tokens == len(ids) and not span.wrapped
+    heldout_pieces = sum(i < stream.heldout for i in span.indices)
+    if heldout_pieces == len(span.indices):
+        assert span.heldout_tokens == len(ids)
+    else:  # all held-out text came first, then training text
+        assert heldout_pieces == stream.heldout and 0 < span.heldout_tokens < len(ids)
+        assert all(i < stream.heldout for i in span.indices[:heldout_pieces])
 
 
 def test_too_short_a_length_is_refused(tokenizer):
