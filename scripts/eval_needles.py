@@ -124,8 +124,8 @@ def plot(trial_rows, title, png_path):
     depths = sorted({t["depth"] for t in trial_rows})
     columns = min(len(panels), 4)
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), squeeze=False)
-    for ax, (task, lang, retrieval) in zip(axes.flat, panels):
+    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), squeeze=False, layout="constrained")
+    for index, (ax, (task, lang, retrieval)) in enumerate(zip(axes.flat, panels)):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for t in trial_rows:
             if (t["task"], t["lang"], t["retrieval"]) == (task, lang, retrieval):
@@ -134,8 +134,10 @@ def plot(trial_rows, title, png_path):
         ax.set_xticks(range(len(lengths)), [f"{length // 1024}k" if length >= 1024 else str(length) for length in lengths])
         ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
         ax.set_title(f"{task}, {lang}, {retrieval or 'dense'}", fontsize=9)
-        ax.set_xlabel("prompt length (tokens)", fontsize=8)
-        ax.set_ylabel("needle depth", fontsize=8)
+        if index // columns == rows - 1:
+            ax.set_xlabel("prompt length (tokens)", fontsize=8)
+        if index % columns == 0:
+            ax.set_ylabel("needle depth", fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.colorbar(image, ax=axes, label="accuracy", shrink=0.8)
