@@ -16,9 +16,9 @@
 # same on any machine (a slower one takes longer). SAFETY_MINUTES only guards against a runaway
 # run; when it stops a model early the script says so, and that model is not the recipe's.
 #
-# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1000), WIDE_SHIFT_FROM (700:
+# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1300), WIDE_SHIFT_FROM (910, 70% of STEPS:
 # the step from which the two-token match trains), HIDDEN (256), LAYERS (6), WINDOW (32), TOP_N (4),
-# BATCH (8), SEQ_LEN (1024), LR (3e-3), SAFETY_MINUTES (150), THREADS (2), DATA_DIR
+# BATCH (8), SEQ_LEN (1024), LR (3e-3), SAFETY_MINUTES (180), THREADS (2), DATA_DIR
 # (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose), EVAL_LENGTHS
 # ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
 set -euo pipefail
@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 
 ATTNS=${ATTNS:-"ann dense"}
 SEED=${SEED:-1}
-STEPS=${STEPS:-1000}
+STEPS=${STEPS:-1300}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-$((STEPS * 7 / 10))}
 HIDDEN=${HIDDEN:-256}
 LAYERS=${LAYERS:-6}
@@ -35,7 +35,7 @@ TOP_N=${TOP_N:-4}
 BATCH=${BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-1024}
 LR=${LR:-3e-3}
-SAFETY_MINUTES=${SAFETY_MINUTES:-150}
+SAFETY_MINUTES=${SAFETY_MINUTES:-180}
 THREADS=${THREADS:-2}
 DATA_DIR=${DATA_DIR:-../shared/data}
 PROSE=${PROSE:-dataset/prose}
