@@ -27,9 +27,7 @@ Exit codes: 0 done, 2 bad arguments or nothing loadable.
 
 import json
 import random
-import resource
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -47,37 +45,13 @@ from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from evaluation.loading import check_device, load_model, resolve_load_path
 from evaluation.passkey import PASSKEY_TEXTS, build_prompt, digits_right, parse_answer, random_key
+from evaluation.trials import peak_rss_mb, run_trial
 from model.config import ATTN_IMPLS, RETRIEVERS
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-
-def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens):
-    """Greedy continuation of the prompt -> (text, prefill seconds, total seconds).
-
-    The prefill time is the time to the first new token; generation stops at a document or chat end.
-    """
-    input_ids = torch.tensor([prompt_ids], device=model.device)
-    end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    answer_ids, prefill_s = [], None
-    start = time.perf_counter()
-    for token in model.stream_generate(
-        input_ids, max_new_tokens=max_new_tokens, temperature=0.0, prefill_chunk=prefill_chunk or None
-    ):
-        if prefill_s is None:
-            prefill_s = time.perf_counter() - start
-        if int(token) in end_ids:
-            break
-        answer_ids.append(int(token))
-    total_s = time.perf_counter() - start
-    return tokenizer.decode(answer_ids, skip_special_tokens=True), prefill_s, total_s
-
-
-def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def evaluate(model, tokenizer, lengths, depths, args):

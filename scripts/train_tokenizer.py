@@ -9,11 +9,21 @@ quality benchmarks also tokenizes compactly:
   python scripts/train_tokenizer.py --data dataset/sample/pretrain_hq.jsonl dataset/sample/sft_mini_512.jsonl \\
       /work/shared/data/tinyshakespeare.txt /work/shared/data/sanguo.txt --out model/tokenizer
 
+The prose tokenizer (model/tokenizer_prose/, docs/LONG_CONTEXT.md) is trained on the training split
+of the real prose only, with every digit a token of its own (--individual_digits), so a number is
+the same tokens after a space, after Chinese text or at a line start; --measure compares it with
+another tokenizer on held-out prose:
+
+  python scripts/make_prose_data.py --split_only --out_dir dataset/prose
+  python scripts/train_tokenizer.py --data dataset/prose/prose_train_*.txt --individual_digits \
+      --out model/tokenizer_prose --measure dataset/prose/prose_heldout_*.txt
+
 Special tokens: <|endoftext|>=0 (also pad and unk), <|im_start|>=1 (bos), <|im_end|>=2 (eos).
 Encoding never adds special tokens by itself; the chat template (dataset/chat_messages.py) writes them explicitly.
 """
 import argparse
 import json
+import random
 import re
 import sys
 from pathlib import Path
@@ -58,9 +68,13 @@ def distinct_sentences(texts):
                 yield sentence
 
 
-def train(data_paths, vocab_size):
+def train(data_paths, vocab_size, individual_digits=False):
+    """A byte-level BPE; with individual_digits every digit is split off as its own token before
+    byte-level splitting, so no merge ever joins a digit to a space, a letter or another digit."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if individual_digits else byte_level)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -107,22 +121,85 @@ def check_round_trip(out_dir):
         print(f"{len(ids):3d} tokens: {text!r}")
 
 
-def main():
+# ----------------------------------------------------------------------------- measurement
+
+# Where a number may stand in a document: after an English word and a space, right after Chinese
+# text, at the start of a line.
+NUMBER_CONTEXTS = {"after a space": "The number is {n}.", "after Chinese": "魔法数字是{n}。", "line start": "\n{n}\n"}
+
+
+def tokens_per_char(tokenizer, texts):
+    """Tokens per character over the texts (lower is more compact)."""
+    tokens = sum(len(tokenizer(text, add_special_tokens=False, verbose=False).input_ids) for text in texts)
+    return tokens / max(sum(len(text) for text in texts), 1)
+
+
+def number_tokens(tokenizer, template, number):
+    """The tokens that spell `number` inside template.format(n=number), or None when a token also
+    holds a character around the number (a space, a Chinese character, the newline)."""
+    text = template.format(n=number)
+    start = text.index(str(number))
+    end = start + len(str(number))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spelled = []
+    for token, (low, high) in zip(encoding.input_ids, encoding.offset_mapping):
+        if high <= start or low >= end:
+            continue
+        if low < start or high > end:
+            return None
+        spelled.append(token)
+    return tuple(spelled)
+
+
+def consistent_numbers(tokenizer, numbers):
+    """The fraction of numbers spelled by the same tokens, none of them shared with a neighbour,
+    in every context of NUMBER_CONTEXTS."""
+    same = 0
+    for number in numbers:
+        spellings = {number_tokens(tokenizer, template, number) for template in NUMBER_CONTEXTS.values()}
+        same += len(spellings) == 1 and None not in spellings
+    return same / len(numbers)
+
+
+def measure(tokenizers, heldout_paths, num_numbers=200, seed=0):
+    """Prints, per tokenizer ({name: tokenizer}): tokens per character of each held-out file and the
+    share of 5-7 digit numbers spelled the same way in every context."""
+    rng = random.Random(seed)
+    numbers = [rng.randint(10 ** (digits - 1), 10**digits - 1) for digits in (rng.randint(5, 7) for _ in range(num_numbers))]
+    texts = {Path(path).stem: Path(path).read_text(encoding="utf-8") for path in heldout_paths}
+    print(f"{'tokenizer':<28} {'vocab':>6} " + " ".join(f"{name[:22]:>22}" for name in texts) + f" {'same number':>12}")
+    for name, tokenizer in tokenizers.items():
+        rates = [tokens_per_char(tokenizer, [text]) for text in texts.values()]
+        print(f"{name:<28} {len(tokenizer):>6} " + " ".join(f"{rate:>16.3f} tok/ch" for rate in rates)
+              + f" {consistent_numbers(tokenizer, numbers):>12.2f}")
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", nargs="+", required=True, help=".jsonl or .txt files to train on")
     parser.add_argument("--out", default="model/tokenizer")
     parser.add_argument("--vocab_size", type=int, default=6400)
     parser.add_argument("--model_max_length", type=int, default=32768)
-    args = parser.parse_args()
+    parser.add_argument("--individual_digits", action="store_true", help="every digit a token of its own")
+    parser.add_argument("--measure", nargs="+", default=None, metavar="HELDOUT",
+                        help="after training, compare with --compare on these held-out text files")
+    parser.add_argument("--compare", default="model/tokenizer", help="the tokenizer --measure compares with")
+    args = parser.parse_args(argv)
 
-    missing = [path for path in args.data if not Path(path).exists()]
+    missing = [path for path in args.data + (args.measure or []) if not Path(path).exists()]
     if missing:
         parser.error(f"data files not found: {missing}")
-    tokenizer = train(args.data, args.vocab_size)
+    tokenizer = train(args.data, args.vocab_size, args.individual_digits)
     save(tokenizer, args.out, args.model_max_length)
     print(f"saved {tokenizer.get_vocab_size()}-token tokenizer to {args.out}")
     check_round_trip(args.out)
+    if args.measure:
+        from transformers import AutoTokenizer
+
+        measure({args.compare: AutoTokenizer.from_pretrained(args.compare),
+                 args.out: AutoTokenizer.from_pretrained(args.out)}, args.measure)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,11 @@
-"""The shipped tokenizer: exact round trips, special token ids, chat template, no implicit specials."""
+"""The shipped tokenizer (exact round trips, special token ids, chat template, no implicit specials) and
+the prose tokenizer (one token per digit, a number spelled alike in every context)."""
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from scripts.train_tokenizer import save, train
+from scripts.train_tokenizer import NUMBER_CONTEXTS, consistent_numbers, number_tokens, save, train
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "model" / "tokenizer"
 
@@ -76,3 +77,43 @@ def test_training_script_writes_a_loadable_tokenizer(tmp_path):
     trained = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     assert (trained.pad_token_id, trained.bos_token_id, trained.eos_token_id) == (0, 1, 2)
     assert trained.decode(trained.encode("天空 is blue.")) == "天空 is blue."
+
+
+# ----------------------------------------------------------------------------- the prose tokenizer
+
+PROSE_DIR = TOKENIZER_DIR.parent / "tokenizer_prose"
+NUMBERS = [48213, 4821937, 100000, 999999, 2224290]
+
+
+@pytest.fixture(scope="module")
+def prose_tokenizer():
+    return AutoTokenizer.from_pretrained(str(PROSE_DIR))
+
+
+def test_prose_tokenizer_keeps_the_special_ids_and_round_trips(prose_tokenizer):
+    assert len(prose_tokenizer) == 6400
+    assert (prose_tokenizer.pad_token_id, prose_tokenizer.bos_token_id, prose_tokenizer.eos_token_id) == (0, 1, 2)
+    for text in ["In the beginning God created 12 heavens.", "维曰：“昔微子去周，成万古之名。”", "ROMEO:\n 4821937 是数字\n"]:
+        assert prose_tokenizer.decode(prose_tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("context", sorted(NUMBER_CONTEXTS))
+def test_prose_tokenizer_spells_a_number_one_digit_per_token(prose_tokenizer, context):
+    for number in NUMBERS:
+        tokens = number_tokens(prose_tokenizer, NUMBER_CONTEXTS[context], number)
+        assert [prose_tokenizer.decode([token]) for token in tokens] == list(str(number))
+
+
+def test_prose_tokenizer_spells_numbers_alike_in_every_context_and_the_shipped_one_does_not(tokenizer, prose_tokenizer):
+    assert consistent_numbers(prose_tokenizer, NUMBERS) == 1.0
+    assert consistent_numbers(tokenizer, NUMBERS) < 1.0  # " 48213" merges its space into the first digit
+
+
+def test_training_with_individual_digits_merges_no_digit(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The key is 12345 and 12345 again.\n\n钥匙是12345。\n\n" * 30, encoding="utf-8")
+    trained = train([corpus], vocab_size=320, individual_digits=True)
+    merged = [token for token in trained.get_vocab() if any(c.isdigit() for c in token) and len(token) > 1]
+    assert merged == []
+    plain = train([corpus], vocab_size=320).get_vocab()
+    assert any(any(c.isdigit() for c in token) and len(token) > 1 for token in plain)  # without the split, digits merge

@@ -1,0 +1,256 @@
+"""Needles in held-out prose: can the model return the numbers hidden at some depth of a long prompt?
+
+    python scripts/eval_needles.py --load out/prose_ann --data_dir ../shared/data --threads 2 \\
+        --json out/prose_ann/needles.json
+    python scripts/eval_needles.py --load out/prose_ann --tasks single --langs zh --lengths 1048576 \\
+        --trials 2 --retrievals exact
+    python scripts/eval_needles.py --load out/prose_dense --lengths 4096 16384
+
+Every task (single, multikey, multivalue: evaluation/needles.py, worded as the training documents of
+scripts/make_prose_data.py) in every language, at every --lengths (tokens), with --trials depths
+spread evenly over 0..1 (or --depths). Haystacks are cut from the held-out part of the corpus in
+--data_dir (dataset/prose.py); a haystack longer than a language's held-out text continues with its
+training text, and each trial records how many of its tokens were held out. A trial's needles and
+haystack depend only on --seed, the task, the language, the length and the trial's index, so every
+model and retrieval sees the same prompts. An ANN model is evaluated with each of --retrievals on
+the same weights; a dense model once, and only up to --dense_max_length.
+
+The prompt goes through the KV cache --prefill_chunk tokens at a time (evaluation/trials.py). A
+trial is right when the first integer of the greedy answer is the asked number (multivalue: when
+every number of the label is among the answer's integers).
+--json PATH writes {"config", "rows", "trials"} (rows: task, lang, length, retrieval, seed,
+accuracy, trials, prefill_seconds, answer_seconds, peak_rss_mb) and PATH with .png: accuracy by
+length and depth, one panel per task, language and retrieval.
+Exit codes: 0 done, 2 bad arguments or nothing loadable.
+"""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from transformers.utils import logging as transformers_logging
+
+from common.cli import OneLineParser, UsageError
+from common.cpu_memory import retain_freed_memory
+from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
+from evaluation.loading import check_device, load_model, resolve_load_path
+from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
+from evaluation.trials import peak_rss_mb, run_trial
+from model.config import RETRIEVERS
+
+DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def trial_rng(seed, task, lang, length, index):
+    """The trial's own generator: its prompt does not depend on which other trials run."""
+    return random.Random(f"{seed}/{task}/{lang}/{length}/{index}")
+
+
+def evaluate(models, tokenizer, streams, args, depths):
+    """Each (length, task, lang, depth) prompt built once and answered by every model
+    ({retrieval or None: model}) -> (summary rows, trial rows)."""
+    rows, trial_rows = [], []
+    for length in args.lengths:
+        for task in args.tasks:
+            for lang in args.langs:
+                results = {retrieval: [] for retrieval in models}
+                for index, depth in enumerate(depths):
+                    rng = trial_rng(args.seed, task, lang, length, index)
+                    needles = draw_needles(rng, task, lang, depth, num_keys=args.num_keys if task == "multikey" else None)
+                    stream = streams[lang]
+                    ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
+                    max_new_tokens = len(tokenizer(answer(needles), add_special_tokens=False).input_ids) + 4
+                    for retrieval, model in models.items():
+                        if retrieval is None and length > args.dense_max_length:
+                            continue
+                        text, prefill_s, total_s = run_trial(model, tokenizer, ids, args.prefill_chunk, max_new_tokens)
+                        correct = score(needles, text)
+                        print(f"{task:<10} {lang} {length:>8} ({len(ids)} tokens, {span.heldout_tokens} held out) "
+                              f"depth {depth:.2f} {retrieval or 'dense':<5} {needles.values} -> {text!r} "
+                              f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, answer {total_s - prefill_s:.2f}s",
+                              flush=True)
+                        trial = {"task": task, "lang": lang, "length": length, "retrieval": retrieval, "depth": depth,
+                                 "seed": args.seed, "values": list(needles.values), "answer": text,
+                                 "correct": correct, "prompt_tokens": len(ids), "heldout_tokens": span.heldout_tokens,
+                                 "wrapped": span.wrapped, "prefill_seconds": round(prefill_s, 4),
+                                 "answer_seconds": round(total_s - prefill_s, 4)}
+                        results[retrieval].append(trial)
+                        trial_rows.append(trial)
+                for retrieval, trials in results.items():
+                    if trials:
+                        rows.append(summary_row(trials, retrieval))
+    return rows, trial_rows
+
+
+def summary_row(trials, retrieval):
+    first = trials[0]
+    return {
+        "task": first["task"], "lang": first["lang"], "length": first["length"], "retrieval": retrieval,
+        "seed": first["seed"], "accuracy": float(np.mean([trial["correct"] for trial in trials])), "trials": len(trials),
+        "prefill_seconds": round(float(np.mean([trial["prefill_seconds"] for trial in trials])), 4),
+        "answer_seconds": round(float(np.mean([trial["answer_seconds"] for trial in trials])), 4),
+        "heldout_fraction": round(sum(t["heldout_tokens"] for t in trials) / sum(t["prompt_tokens"] for t in trials), 4),
+        # The process's peak so far: lengths run in increasing order, so it is this length's peak.
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+
+
+def print_table(rows):
+    print(f"\n{'task':<10} {'lang':<4} {'retrieval':<9} {'length':>8} {'accuracy':>9} {'trials':>7} "
+          f"{'prefill s':>10} {'answer s':>9} {'held out':>9} {'peak MB':>8}")
+    for row in rows:
+        print(f"{row['task']:<10} {row['lang']:<4} {row['retrieval'] or 'dense':<9} {row['length']:>8} "
+              f"{row['accuracy']:>9.2f} {row['trials']:>7} {row['prefill_seconds']:>10.2f} {row['answer_seconds']:>9.2f} "
+              f"{row['heldout_fraction']:>9.2f} {row['peak_rss_mb']:>8.0f}")
+
+
+def plot(trial_rows, title, png_path):
+    """Accuracy by depth (rows) and length (columns): one heatmap per task, language and retrieval."""
+    panels = list(dict.fromkeys((t["task"], t["lang"], t["retrieval"]) for t in trial_rows))
+    lengths = sorted({t["length"] for t in trial_rows})
+    depths = sorted({t["depth"] for t in trial_rows})
+    columns = min(len(panels), 4)
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), squeeze=False, layout="constrained")
+    for index, (ax, (task, lang, retrieval)) in enumerate(zip(axes.flat, panels)):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for t in trial_rows:
+            if (t["task"], t["lang"], t["retrieval"]) == (task, lang, retrieval):
+                grid[depths.index(t["depth"]), lengths.index(t["length"])] = t["correct"]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(lengths)), [f"{length // 1024}k" if length >= 1024 else str(length) for length in lengths])
+        ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
+        ax.set_title(f"{task}, {lang}, {retrieval or 'dense'}", fontsize=9)
+        if index // columns == rows - 1:
+            ax.set_xlabel("prompt length (tokens)", fontsize=8)
+        if index % columns == 0:
+            ax.set_ylabel("needle depth", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes, label="accuracy", shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description="MiniMind needle retrieval in held-out prose")
+    p.add_argument("--load", default="out/prose_ann/model", help="model folder, out dir or checkpoint .pt")
+    p.add_argument("--data_dir", default=str(DEFAULT_DATA_DIR), help="folder with kjv.txt, tinyshakespeare.txt, sanguo.txt")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prompt lengths in tokens")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    p.add_argument("--langs", nargs="+", choices=LANGS, default=list(LANGS))
+    spread = p.add_mutually_exclusive_group()
+    spread.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths in [0, 1], one trial each")
+    spread.add_argument("--trials", type=int, default=5, help="trials per task, language and length, depths spread over 0..1")
+    p.add_argument("--num_keys", type=int, default=4, help="key sentences of a multikey prompt")
+    p.add_argument("--retrievals", nargs="+", choices=[r for r in RETRIEVERS if r != "auto"], default=["exact", "hnsw"],
+                   help="block retrievals an ANN model is evaluated with")
+    p.add_argument("--dense_max_length", type=int, default=32768,
+                   help="longest prompt a dense model is asked (its cost grows with the square of the length)")
+    p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
+    p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    if any(length <= 0 for length in args.lengths):
+        raise UsageError(f"--lengths must be positive, got {args.lengths}")
+    args.lengths = sorted(set(args.lengths))
+    if args.depths is not None and not all(0.0 <= depth <= 1.0 for depth in args.depths):
+        raise UsageError(f"--depths must lie in [0, 1], got {args.depths}")
+    if args.depths is None and args.trials <= 0:
+        raise UsageError(f"--trials must be positive, got {args.trials}")
+    low, high = KEY_RANGE["multikey"]
+    if not low <= args.num_keys <= high:
+        raise UsageError(f"--num_keys must lie in {low}..{high}, got {args.num_keys}")
+    if args.prefill_chunk < 0 or args.dense_max_length <= 0:
+        raise UsageError("--prefill_chunk must be >= 0 and --dense_max_length > 0")
+    if args.threads is not None and args.threads <= 0:
+        raise UsageError(f"--threads must be positive, got {args.threads}")
+    check_device(args.device)
+
+
+def check_lengths(tokenizer, args):
+    for task in args.tasks:
+        for lang in args.langs:
+            least = shortest_prompt(tokenizer, task, lang)
+            if args.lengths[0] < least:
+                raise UsageError(f"--lengths {args.lengths[0]} is shorter than the {lang} {task} template ({least} tokens)")
+
+
+def load_models(path, args):
+    """{retrieval: model} for an ANN model (the same weights once per retrieval), {None: model} for
+    a dense one, and the tokenizer."""
+    device = torch.device(args.device)
+    model, tokenizer = load_model(path, None, args.retrievals[0], device)
+    if model.config.attn_impl != "ann":
+        return {None: model}, tokenizer
+    others = {retrieval: load_model(path, None, retrieval, device)[0] for retrieval in args.retrievals[1:]}
+    return {args.retrievals[0]: model, **others}, tokenizer
+
+
+def main(argv=None):
+    transformers_logging.disable_progress_bar()
+    retain_freed_memory()
+    try:
+        args = parse_args(argv)
+        validate_args(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        corpus = read_corpus(args.data_dir)
+        path = resolve_load_path(args.load)
+        models, tokenizer = load_models(path, args)
+        check_lengths(tokenizer, args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    config = next(iter(models.values())).config
+    depths = list(args.depths) if args.depths is not None else [float(d) for d in np.linspace(0.0, 1.0, args.trials)]
+    streams = {lang: heldout_stream(corpus, lang, tokenizer) for lang in args.langs}
+    num_parameters = sum(p.numel() for p in next(iter(models.values())).parameters())
+    print(f"model: {path}, {num_parameters / 1e6:.2f}M parameters, {config.attn_impl} attention, "
+          f"{torch.get_num_threads()} threads, prefill chunk {args.prefill_chunk or 'whole prompt'}")
+    rows, trial_rows = evaluate(models, tokenizer, streams, args, depths)
+    print_table(rows)
+
+    if args.json:
+        json_path = Path(args.json)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        run_config = {
+            "load": str(path), "attn": config.attn_impl, "ann_window": config.ann_window,
+            "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n, "hnsw_m": config.hnsw_m,
+            "hnsw_ef_search": config.hnsw_ef_search, "parameters": num_parameters, "data_dir": args.data_dir,
+            "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,
+            "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "seed": args.seed,
+            "threads": torch.get_num_threads(), "device": args.device,
+        }
+        json_path.write_text(json.dumps({"config": run_config, "rows": rows, "trials": trial_rows}, indent=2,
+                                        ensure_ascii=False) + "\n", encoding="utf-8")
+        plot(trial_rows, f"needles in held-out prose: {path}", json_path.with_suffix(".png"))
+        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Held-out loss by how much context a token has: does retrieval make far context useful on real text?
+
+    python scripts/eval_perplexity.py --load out/prose_ann --dense out/prose_dense --threads 2 \\
+        --json out/perplexity.json
+    python scripts/eval_perplexity.py --load out/prose_ann --texts dataset/prose/prose_heldout_sanguo.txt
+
+Each held-out text (default dataset/prose/prose_heldout_*.txt, written by scripts/make_prose_data.py;
+never trained on) is read as one document, cut to --max_tokens, and scored token by token through
+the KV cache, --chunk tokens at a time. The loss of the token at position p (p tokens before it) is
+counted in its position bucket: 0-512, 512-4k, 4k-16k, 16k-64k, 64k+. Variants:
+    retrieval    the --load ANN model as saved (window plus top_n retrieved blocks)
+    window_only  the same weights with top_n 0: the window alone, nothing retrieved
+    dense        the --dense model, only up to --dense_max_tokens (within and a little past its
+                 trained length: its positions beyond are untrained, and its cost is quadratic)
+A lower loss with retrieval than window_only on the buckets beyond the window is the evidence
+that retrieval uses far context.
+--json PATH writes {"config", "rows"} (rows: model, variant, text, bucket, loss, tokens; text "all"
+sums every text) and PATH with .png: loss by position bucket per variant.
+Exit codes: 0 done, 2 bad arguments or nothing loadable.
+"""
+
+import glob
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from transformers.utils import logging as transformers_logging
+
+from common.cli import OneLineParser, UsageError
+from common.cpu_memory import retain_freed_memory
+from evaluation.loading import check_device, load_model, resolve_load_path
+
+BUCKET_EDGES = (0, 512, 4096, 16384, 65536)
+DEFAULT_TEXTS = "dataset/prose/prose_heldout_*.txt"
+
+
+def bucket_name(index):
+    low = BUCKET_EDGES[index]
+    if index + 1 == len(BUCKET_EDGES):
+        return f"{low // 1024}k+"
+    high = BUCKET_EDGES[index + 1]
+    return f"{low if low < 1024 else f'{low // 1024}k'}-{high if high < 1024 else f'{high // 1024}k'}"
+
+
+BUCKETS = [bucket_name(index) for index in range(len(BUCKET_EDGES))]
+
+
+def bucket_of(positions):
+    """positions (n,) long -> bucket index (n,) long: the bucket of a token with that many tokens before it."""
+    return torch.bucketize(positions, torch.tensor(BUCKET_EDGES[1:]), right=True)
+
+
+@torch.no_grad()
+def position_losses(model, ids, chunk):
+    """ids: list of n token ids -> (loss sums per bucket, token counts per bucket), lists of
+    len(BUCKETS): the loss of predicting ids[p] from ids[:p] for p >= 1, filled through the cache
+    `chunk` tokens at a time."""
+    sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
+    tokens = torch.tensor([ids], device=model.device)
+    cache = model.new_cache(reserve=len(ids))
+    previous_logits = None  # the last logits of the previous chunk predict this chunk's first token
+    for start in range(0, len(ids), chunk):
+        piece = tokens[:, start:start + chunk]
+        logits = model(input_ids=piece, cache=cache, use_cache=True).logits[0].float()
+        predictors = logits[:-1] if previous_logits is None else torch.cat([previous_logits, logits[:-1]])
+        targets = piece[0, 1:] if previous_logits is None else piece[0]
+        first = start + 1 if previous_logits is None else start
+        losses = F.cross_entropy(predictors, targets, reduction="none").double().cpu()
+        buckets = bucket_of(torch.arange(first, first + len(targets)))
+        sums.index_add_(0, buckets, losses)
+        counts.index_add_(0, buckets, torch.ones_like(buckets))
+        previous_logits = logits[-1:]
+    return sums.tolist(), counts.tolist()
+
+
+def window_only(model):
+    """The same model with nothing retrieved: top_n 0 in its config and in every ANN layer."""
+    model.config.ann_top_n = 0
+    for layer in model.model.layers:
+        layer.self_attn.core.top_n = 0
+    return model
+
+
+def rows_for(name, variant, per_text):
+    """per_text: {text: (sums, counts)} -> rows per text and bucket, and rows summed over texts ("all")."""
+    rows = []
+    totals = ([0.0] * len(BUCKETS), [0] * len(BUCKETS))
+    for text, (sums, counts) in per_text.items():
+        for index, bucket in enumerate(BUCKETS):
+            totals[0][index] += sums[index]
+            totals[1][index] += counts[index]
+            if counts[index]:
+                rows.append({"model": name, "variant": variant, "text": text, "bucket": bucket,
+                             "loss": round(sums[index] / counts[index], 5), "tokens": counts[index]})
+    for index, bucket in enumerate(BUCKETS):
+        if totals[1][index]:
+            rows.append({"model": name, "variant": variant, "text": "all", "bucket": bucket,
+                         "loss": round(totals[0][index] / totals[1][index], 5), "tokens": totals[1][index]})
+    return rows
+
+
+def print_table(rows):
+    texts = list(dict.fromkeys(row["text"] for row in rows))
+    print(f"\n{'variant':<12} {'text':<28} " + " ".join(f"{bucket:>14}" for bucket in BUCKETS))
+    for variant in dict.fromkeys(row["variant"] for row in rows):
+        for text in texts:
+            cells = {row["bucket"]: row for row in rows if row["variant"] == variant and row["text"] == text}
+            if cells:
+                print(f"{variant:<12} {text[:28]:<28} " + " ".join(
+                    f"{cells[b]['loss']:>6.3f} ({cells[b]['tokens']:>5})" if b in cells else f"{'':>14}" for b in BUCKETS))
+
+
+def plot(rows, title, png_path):
+    """Loss by position bucket, one line per variant, one panel per text."""
+    texts = list(dict.fromkeys(row["text"] for row in rows))
+    fig, axes = plt.subplots(1, len(texts), figsize=(4.2 * len(texts), 3.6), squeeze=False)
+    for ax, text in zip(axes[0], texts):
+        for variant in dict.fromkeys(row["variant"] for row in rows):
+            cells = [row for row in rows if row["variant"] == variant and row["text"] == text]
+            ax.plot([BUCKETS.index(row["bucket"]) for row in cells], [row["loss"] for row in cells], marker="o", label=variant)
+        ax.set_xticks(range(len(BUCKETS)), BUCKETS, rotation=30)
+        ax.set_xlabel("tokens before the predicted one")
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_title(text, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description="MiniMind held-out loss by context position")
+    p.add_argument("--load", default="out/prose_ann/model", help="the ANN model: folder, out dir or checkpoint .pt")
+    p.add_argument("--dense", default=None, help="a dense model to compare, scored up to --dense_max_tokens")
+    p.add_argument("--texts", nargs="+", default=None, help=f"held-out text files (default {DEFAULT_TEXTS})")
+    p.add_argument("--max_tokens", type=int, default=131072, help="tokens scored per text (its start)")
+    p.add_argument("--dense_max_tokens", type=int, default=2048, help="tokens scored per text with the dense model")
+    p.add_argument("--chunk", type=int, default=4096, help="tokens per forward through the cache")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    args.texts = args.texts or sorted(glob.glob(DEFAULT_TEXTS))
+    if not args.texts:
+        raise UsageError(f"no held-out texts: none match {DEFAULT_TEXTS} (scripts/make_prose_data.py writes them) "
+                         "and --texts is not given")
+    missing = [path for path in args.texts if not Path(path).is_file()]
+    if missing:
+        raise UsageError(f"--texts {missing[0]}: file not found")
+    for name in ("max_tokens", "dense_max_tokens", "chunk"):
+        if getattr(args, name) < 2:
+            raise UsageError(f"--{name} must be >= 2, got {getattr(args, name)}")
+    if args.threads is not None and args.threads <= 0:
+        raise UsageError(f"--threads must be positive, got {args.threads}")
+    check_device(args.device)
+
+
+def score_texts(model, tokenizer, texts, max_tokens, chunk):
+    """{text name: (sums, counts)} for every held-out file, each cut to its first max_tokens tokens."""
+    scored = {}
+    for path in texts:
+        ids = tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False, verbose=False).input_ids
+        scored[Path(path).stem] = position_losses(model, ids[:max_tokens], chunk)
+    return scored
+
+
+def main(argv=None):
+    transformers_logging.disable_progress_bar()
+    retain_freed_memory()
+    try:
+        args = parse_args(argv)
+        validate_args(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = torch.device(args.device)
+        path = resolve_load_path(args.load)
+        model, tokenizer = load_model(path, None, None, device)
+        if model.config.attn_impl != "ann":
+            raise UsageError(f"--load {path}: a dense model; pass the ANN model to --load and this one to --dense")
+        dense_path = resolve_load_path(args.dense) if args.dense else None
+        dense = load_model(dense_path, "dense", None, device)[0] if dense_path else None
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    print(f"model: {path} (window {model.config.ann_window}, top {model.config.ann_top_n}), "
+          f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
+    rows = rows_for(str(path), "retrieval", score_texts(model, tokenizer, args.texts, args.max_tokens, args.chunk))
+    rows += rows_for(str(path), "window_only",
+                     score_texts(window_only(model), tokenizer, args.texts, args.max_tokens, args.chunk))
+    if dense is not None:
+        rows += rows_for(str(dense_path), "dense",
+                         score_texts(dense, tokenizer, args.texts, args.dense_max_tokens, args.chunk))
+    print_table(rows)
+    if args.json:
+        json_path = Path(args.json)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        run_config = {"load": str(path), "dense": str(dense_path) if dense_path else None, "texts": args.texts,
+                      "max_tokens": args.max_tokens, "dense_max_tokens": args.dense_max_tokens, "chunk": args.chunk,
+                      "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
+        json_path.write_text(json.dumps({"config": run_config, "rows": rows}, indent=2) + "\n", encoding="utf-8")
+        plot(rows, f"held-out loss by position: {path}", json_path.with_suffix(".png"))
+        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The prose recipe end to end at toy size: a few training steps on the prose mix, then
+scripts/eval_needles.py (every task and language, exact and HNSW, JSON and PNG) and
+scripts/eval_perplexity.py (loss by position bucket for retrieval, window only and dense)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evaluation.loading import load_model
+from scripts import eval_needles, eval_perplexity, make_prose_data
+from tests.prose_corpus import write_corpus
+from trainer import train_pretrain
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO_ROOT / "model" / "tokenizer_prose"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def prose_dir(corpus_dir, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("prose")
+    assert make_prose_data.main(["--data_dir", str(corpus_dir), "--out_dir", str(out_dir), "--tokenizer", str(TOKENIZER),
+                                 "--chunk_tokens", "120", "--needle_min_tokens", "300", "--needle_max_tokens", "320"]) == 0
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def trained(prose_dir, tmp_path_factory):
+    """A ~0.3M-parameter ANN model after 4 steps of the recipe's flags on the toy mix."""
+    out_dir = tmp_path_factory.mktemp("prose_ann")
+    argv = ["--out_dir", str(out_dir), "--data_path", str(prose_dir / "prose_train.jsonl"), "--tokenizer_path",
+            str(TOKENIZER), "--attn", "ann", "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "4",
+            "--num_key_value_heads", "2", "--rope_theta", "10000", "--ann_window", "16", "--ann_top_n", "2",
+            "--key_shift", "2", "--query_shift", "1", "--wide_shift_from_step", "2", "--hnsw_ef_search", "48",
+            "--max_seq_len", "128", "--batch_size", "4", "--accumulation_steps", "1", "--learning_rate", "3e-3",
+            "--max_steps", "4", "--log_interval", "1", "--save_interval", "100"]
+    train_pretrain.main(train_pretrain.STAGE, argv)
+    return out_dir / "model"
+
+
+def test_training_on_the_prose_mix_writes_a_model(trained):
+    records = [json.loads(line) for line in (trained.parent / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 4 and all(record["loss"] > 0 for record in records)
+    saved, prose = (json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")) for folder in (trained, TOKENIZER))
+    assert saved["model"]["vocab"] == prose["model"]["vocab"] and saved["pre_tokenizer"] == prose["pre_tokenizer"]
+
+
+def test_eval_needles_writes_rows_per_task_and_retrieval(trained, corpus_dir, tmp_path, capsys):
+    json_path = tmp_path / "needles.json"
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
+                              "--tasks", "multikey", "multivalue", "--langs", "zh", "--trials", "1", "--prefill_chunk", "128", "--json", str(json_path)]) == 0
+    result = json.loads(json_path.read_text())
+    rows, trials = result["rows"], result["trials"]
+    keys = [(r["task"], r["lang"], r["length"], r["retrieval"]) for r in rows]
+    assert sorted(keys) == sorted((task, lang, length, retrieval) for task in ("multikey", "multivalue")
+                                  for lang in ("zh",) for length in (300,) for retrieval in ("exact", "hnsw"))
+    for row in rows:
+        group = [t for t in trials if all(t[k] == row[k] for k in ("task", "lang", "length", "retrieval"))]
+        assert row["trials"] == len(group) == 1 and row["seed"] == 0
+        assert row["accuracy"] == group[0]["correct"]
+        assert row["prefill_seconds"] > 0 and row["answer_seconds"] >= 0 and row["peak_rss_mb"] > 0
+    for trial in trials:
+        assert abs(trial["prompt_tokens"] - trial["length"]) <= 40 and trial["heldout_tokens"] > 0
+    # The same prompts for both retrievals: same needles per (task, lang, length, depth).
+    by_retrieval = {r: [(t["task"], t["lang"], t["length"], t["depth"], t["values"]) for t in trials if t["retrieval"] == r]
+                    for r in ("exact", "hnsw")}
+    assert by_retrieval["exact"] == by_retrieval["hnsw"]
+    assert json_path.with_suffix(".png").read_bytes()[:8] == PNG
+    assert "multivalue" in capsys.readouterr().out
+
+
+def test_dense_model_skips_lengths_past_its_cap(trained, corpus_dir, tmp_path, capsys, monkeypatch):
+    json_path = tmp_path / "dense.json"
+    original = eval_needles.load_model
+    monkeypatch.setattr(eval_needles, "load_model", lambda path, attn, retrieval, device: original(path, "dense", None, device))
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "600",
+                              "--tasks", "single", "--langs", "en", "--trials", "1", "--dense_max_length", "400",
+                              "--json", str(json_path)]) == 0
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(row["length"], row["retrieval"]) for row in rows] == [(300, None)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "100"], "single template"),
+    (["--num_keys", "9"], "--num_keys must lie in 2..8"),
+    (["--depths", "1.5"], "--depths must lie in [0, 1]"),
+    (["--tasks", "pairs"], "invalid choice"),
+], ids=["too-short", "keys", "depth", "task"])
+def test_eval_needles_bad_arguments_exit_2(trained, corpus_dir, capsys, argv, message):
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_eval_needles_missing_corpus_exits_2(trained, tmp_path, capsys):
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(tmp_path)]) == 2
+    assert "kjv.txt: text file not found" in capsys.readouterr().err
+
+
+def test_position_losses_match_the_full_forward(trained, prose_dir):
+    model, tokenizer = load_model(trained, None, None, torch.device("cpu"))
+    ids = tokenizer((prose_dir / "prose_heldout_kjv.txt").read_text(), add_special_tokens=False).input_ids[:700]
+    sums, counts = eval_perplexity.position_losses(model, ids, chunk=128)
+    assert counts == [511, 188, 0, 0, 0]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    full = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="none")
+    assert sums[0] == pytest.approx(full[:511].sum().item(), rel=1e-4)
+    assert sums[1] == pytest.approx(full[511:].sum().item(), rel=1e-4)
+
+
+def test_eval_perplexity_writes_every_variant(trained, prose_dir, tmp_path, capsys):
+    json_path = tmp_path / "perplexity.json"
+    texts = [str(prose_dir / "prose_heldout_kjv.txt"), str(prose_dir / "prose_heldout_sanguo.txt")]
+    assert eval_perplexity.main(["--load", str(trained), "--dense", str(trained), "--texts", *texts, "--max_tokens", "700",
+                                 "--dense_max_tokens", "256", "--chunk", "128", "--json", str(json_path)]) == 0
+    rows = json.loads(json_path.read_text())["rows"]
+    assert {row["variant"] for row in rows} == {"retrieval", "window_only", "dense"}
+    for row in rows:
+        assert set(row) == {"model", "variant", "text", "bucket", "loss", "tokens"} and row["loss"] > 0
+    cell = {(r["variant"], r["text"], r["bucket"]): r for r in rows}
+    assert cell[("dense", "all", "0-512")]["tokens"] == 2 * 255 and ("dense", "all", "512-4k") not in cell
+    # Nothing retrieved changes the loss once blocks lie beyond the window.
+    assert cell[("retrieval", "prose_heldout_kjv", "512-4k")]["loss"] != cell[("window_only", "prose_heldout_kjv", "512-4k")]["loss"]
+    assert json_path.with_suffix(".png").read_bytes()[:8] == PNG
+    assert eval_perplexity.main(["--load", str(trained), "--texts", str(tmp_path / "none.txt")]) == 2
+    assert "file not found" in capsys.readouterr().err

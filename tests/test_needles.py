@@ -1,0 +1,149 @@
+"""The needle tasks (evaluation/needles.py): needles drawn per task, their place in the haystack, the
+prompt's length in tokens, training documents, answer parsing and scoring, in English and Chinese."""
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from dataset.prose import heldout_stream, read_corpus, training_stream
+from evaluation.needles import (
+    DIGITS_RANGE, KEY_RANGE, NEEDLE_TEXTS, TASKS, VALUE_RANGE, Needles, answer, build_prompt, draw_needles,
+    fit_pieces, key_sentence, parse_numbers, prompt_text, question, score, shortest_prompt, training_documents,
+)
+from tests.prose_corpus import write_corpus
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LANGS = sorted(NEEDLE_TEXTS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO_ROOT / "model" / "tokenizer_prose")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return read_corpus(write_corpus(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture(scope="module")
+def heldout_streams(tokenizer, corpus):
+    return {lang: heldout_stream(corpus, lang, tokenizer) for lang in LANGS}
+
+
+@pytest.mark.parametrize("lang", LANGS)
+@pytest.mark.parametrize("task", TASKS)
+def test_needles_follow_the_task(task, lang):
+    for seed in range(20):
+        needles = draw_needles(random.Random(seed), task, lang, 0.3)
+        labels = {label for label, _, _ in needles.sentences}
+        values = [value for _, value, _ in needles.sentences]
+        assert KEY_RANGE[task][0] <= len(labels) <= KEY_RANGE[task][1]
+        assert VALUE_RANGE[task][0] <= len(needles.values) <= VALUE_RANGE[task][1]
+        assert len(set(values)) == len(values) and needles.asked in labels
+        assert all(DIGITS_RANGE[0] <= len(str(value)) <= DIGITS_RANGE[1] for value in values)
+        asked_depths = [at for label, _, at in needles.ordered() if label == needles.asked]
+        assert asked_depths[0] == 0.3 and all(at >= 0.3 for at in asked_depths)
+
+
+def test_same_seed_same_needles_other_seed_other_needles():
+    draws = [draw_needles(random.Random(seed), "multikey", "en", 0.5) for seed in (4, 4, 5)]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+@pytest.mark.parametrize("task, lang, depth, keys, values, message", [
+    ("pairs", "en", 0.5, None, None, "unknown needle task"),
+    ("single", "fr", 0.5, None, None, "unknown language"),
+    ("single", "en", 1.5, None, None, "depth"),
+    ("multikey", "en", 0.5, 9, None, "2-8 keys"),
+    ("multivalue", "zh", 0.5, None, 5, "2-4 values"),
+], ids=["task", "lang", "depth", "keys", "values"])
+def test_bad_needle_requests_are_refused(task, lang, depth, keys, values, message):
+    with pytest.raises(ValueError, match=message):
+        draw_needles(random.Random(0), task, lang, depth, num_keys=keys, num_values=values)
+
+
+@pytest.mark.parametrize("lang", LANGS)
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
+def test_key_sentences_sit_at_their_depth_between_sentences(task, lang, depth):
+    pieces = [f"Piece {chr(65 + i % 26)}{i // 26}. " if lang == "en" else f"第{i}句。" for i in range(40)]
+    needles = draw_needles(random.Random(1), task, lang, depth)
+    text = prompt_text(needles, pieces)
+    texts = NEEDLE_TEXTS[lang]
+    assert text.startswith(texts.intro) and text.endswith(question(needles))
+    for label, value, at in needles.sentences:
+        sentence = key_sentence(needles, label, value)
+        assert text.count(sentence) == 1
+        before = text[:text.index(sentence)]
+        whole_pieces_before = sum(piece in before for piece in pieces)
+        assert whole_pieces_before == round(at * len(pieces))
+    assert all(text.count(piece.strip()) == 1 for piece in pieces)
+
+
+@pytest.mark.parametrize("lang", LANGS)
+@pytest.mark.parametrize("task", TASKS)
+def test_a_right_answer_scores_and_a_wrong_one_does_not(task, lang):
+    needles = draw_needles(random.Random(2), task, lang, 0.5)
+    right = answer(needles)
+    assert parse_numbers(right) == list(needles.values)
+    assert score(needles, right) == 1.0 and score(needles, right + " 12345 and more") == 1.0
+    assert score(needles, " the river") == 0.0
+    assert score(needles, str(needles.values[0] + 1)) == 0.0
+    if task == "multivalue":
+        assert score(needles, str(needles.values[0])) == 0.0  # one of several is not all
+        assert score(needles, " " + " and ".join(map(str, reversed(needles.values)))) == 1.0
+
+
+@pytest.mark.parametrize("text, numbers", [(" 4821937.", [4821937]), ("是4821937。", [4821937]),
+                                           ("12345、67890。", [12345, 67890]), ("abc123def 45", [123, 45]), ("none", [])])
+def test_parse_numbers_reads_every_integer(text, numbers):
+    assert parse_numbers(text) == numbers
+
+
+def test_answers_are_worded_per_language():
+    en = Needles("multivalue", "en", (("amber falcon", 12345, 0.1), ("amber falcon", 678901, 0.2)), "amber falcon")
+    zh = Needles("multivalue", "zh", (("金色猎鹰", 12345, 0.1), ("金色猎鹰", 678901, 0.2)), "金色猎鹰")
+    assert answer(en) == " 12345, 678901." and answer(zh) == "12345、678901。"
+    assert question(zh) == "金色猎鹰的特别魔法数字都有哪些？金色猎鹰的特别魔法数字是"
+
+
+@pytest.mark.parametrize("lang", LANGS)
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [300, 1200])
+def test_prompt_has_the_target_length_from_heldout_prose(tokenizer, heldout_streams, task, lang, length):
+    stream = heldout_streams[lang]
+    needles = draw_needles(random.Random(3), task, lang, 0.5)
+    ids, span = build_prompt(tokenizer, stream, needles, length, start=0)
+    longest_piece = max(stream.token_count(i) for i in span.indices)
+    assert abs(len(ids) - length) <= longest_piece
+    assert tokenizer.decode(ids) == prompt_text(needles, stream.texts(span))
+    assert span.tokens == len(ids) and not span.wrapped
+    heldout_pieces = sum(i < stream.heldout for i in span.indices)
+    if heldout_pieces == len(span.indices):
+        assert span.heldout_tokens == len(ids)
+    else:  # all held-out text came first, then training text
+        assert heldout_pieces == stream.heldout and 0 < span.heldout_tokens < len(ids)
+        assert all(i < stream.heldout for i in span.indices[:heldout_pieces])
+
+
+def test_too_short_a_length_is_refused(tokenizer):
+    needles = draw_needles(random.Random(0), "multikey", "en", 0.5, num_keys=8)
+    with pytest.raises(ValueError, match="needs at least"):
+        fit_pieces(tokenizer, needles, ["Some prose. "] * 10, 50)
+    least = shortest_prompt(tokenizer, "multikey", "en")
+    assert least > len(tokenizer(prompt_text(needles, [])).input_ids)
+
+
+def test_training_documents_end_with_their_answer(tokenizer, corpus):
+    streams = {lang: training_stream(corpus, lang, tokenizer) for lang in LANGS}
+    documents = list(training_documents(random.Random(0), streams, tokenizer, 12, list(TASKS), 300, 400))
+    assert {d["task"] for d in documents} == set(TASKS) and {d["lang"] for d in documents} == set(LANGS)
+    for document in documents:
+        end = ". " if document["lang"] == "en" else "。"
+        asked = re.search(r"(?:is|are|是)([\d, 、]+)[.。]$", document["text"])
+        assert asked, document["text"][-80:]
+        assert 300 - 40 <= document["tokens"] <= 400 + 40 and end.strip() in document["text"]
