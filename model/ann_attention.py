@@ -75,17 +75,39 @@ class QuerySpans(NamedTuple):
         return self.first[:, None] + offset + torch.arange(length, device=self.first.device)
 
 
+# The last host read of query_spans: (starts, ends, their versions, length, QuerySpans). Every layer
+# of one forward gets the same starts and ends tensors, so they share one read.
+_last_read = [None]
+
+
+def tensor_versions(*tensors):
+    """The in-place version counters of tensors (None for None), or None where one is an inference
+    tensor, which has no counter."""
+    if any(tensor is not None and tensor.is_inference() for tensor in tensors):
+        return None
+    return tuple(None if tensor is None else tensor._version for tensor in tensors)
+
+
 def query_spans(starts, ends, batch, length, device):
     """starts (b,) or None (a pass from position 0), ends (b,) or None (starts + length) -> QuerySpans.
 
-    One host read when starts or ends is given, none for a pass from position 0.
+    One host read when starts or ends is given, none for a pass from position 0; a call with the
+    very tensors of the previous call, unchanged since, reuses its read (the layers of a forward).
     """
     first = torch.zeros(batch, dtype=torch.long, device=device) if starts is None else starts
     if starts is None and ends is None:
         return QuerySpans(first, first + length, (0,) * batch, (length,) * batch)
+    versions = tensor_versions(starts, ends)
+    last = _last_read[0]
+    if versions is not None and last is not None and last[0] is starts and last[1] is ends and last[2:4] == (versions, length):
+        return last[4]
+    given_ends = ends
     ends = first + length if ends is None else ends
     host_first, host_ends = torch.stack([first, ends.to(first.dtype)]).tolist()
-    return QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
+    spans = QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
+    if versions is not None:
+        _last_read[0] = (starts, given_ends, versions, length, spans)
+    return spans
 
 
 def candidate_limits(positions, ends, window, block_size):
@@ -94,13 +116,29 @@ def candidate_limits(positions, ends, window, block_size):
     return candidate_count(torch.minimum(positions, ends[:, None] - 1), window, block_size)
 
 
+def candidates_at(spans, offset, window, block_size):
+    """Host ints, one per row: candidate_limits of the query `offset` past the row's first."""
+    return [
+        max(0, (min(first + offset, end - 1) - window) // block_size + 1)
+        for first, end in zip(spans.host_first, spans.host_ends)
+    ]
+
+
 def most_candidates(spans, offset, window, block_size):
     """Host int: the largest candidate_limits of the queries up to `offset` past each row's first.
 
     candidate_count grows with the position, so it is the count at the latest such position.
     """
-    latest = max(min(first + offset, end - 1) for first, end in zip(spans.host_first, spans.host_ends))
-    return max(0, (latest - window) // block_size + 1)
+    return max(candidates_at(spans, offset, window, block_size))
+
+
+def candidate_bounds(spans, first_offset, last_offset, window, block_size):
+    """Host (fewest, most) candidate_limits of the queries first_offset .. last_offset past each
+    row's first: the limits grow with the position, so the ends of the span hold both."""
+    return (
+        min(candidates_at(spans, first_offset, window, block_size)),
+        most_candidates(spans, last_offset, window, block_size),
+    )
 
 
 class TileQueries(NamedTuple):
@@ -108,7 +146,7 @@ class TileQueries(NamedTuple):
 
     window_q, block_q (b, g, T, r, d): token-major, scaled by 1/sqrt(d), in the window keys' and the
     block keys' frames; selecting (b, g, T, e): the group vectors that score blocks, detached;
-    positions (b, T); chunk: C; max_candidates: host int, the most candidate blocks of any query.
+    positions (b, T); chunk: C; candidates: host (fewest, most) candidate blocks of its queries.
     """
 
     window_q: torch.Tensor
@@ -116,7 +154,7 @@ class TileQueries(NamedTuple):
     selecting: torch.Tensor
     positions: torch.Tensor
     chunk: int
-    max_candidates: int
+    candidates: tuple
 
 
 class WindowSlab(NamedTuple):
@@ -333,6 +371,8 @@ class AnnLayerCache(KVBuffer):
         """
         first = first_position // self.block_size
         end = end_position // self.block_size
+        if first == end and self.summaries is not None and self.summaries.shape[2] >= end:  # most decoding steps
+            return self.summaries[:, :, :end]
         fresh = block_summaries(self.k, first, end, self.block_size, self.summary)
         self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // self.block_size)
         self.summaries[:, :, first:end] = fresh
@@ -376,7 +416,7 @@ class AnnAttention:
         if layer_cache is None:
             keys, values = k, v
         else:
-            keys, values = layer_cache.append(k, v, spans.first)
+            keys, values = layer_cache.append(k, v, spans.first, spans.host_first)
         if self.is_dense(max(spans.host_first) + s - 1):
             if layer_cache is not None:
                 layer_cache.update_summaries(min(spans.host_first), max(spans.host_ends))
@@ -392,9 +432,10 @@ class AnnAttention:
             window_q, block_q = self.query_frames(q, rope)
             group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
             limits = candidate_limits(spans.positions(0, s), spans.ends, self.window, self.block_size)
-            top_n = min(self.top_n, most_candidates(spans, s - 1, self.window, self.block_size))
+            bounds = candidate_bounds(spans, 0, s - 1, self.window, self.block_size)
+            top_n = min(self.top_n, bounds[1])
             with torch.no_grad():
-                block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
+                block_ids, valid = retriever.select(group_queries, summaries, limits, top_n, bounds)
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
             return self.masked_sdpa(window_q, keys[:, :, :s], values[:, :, :s], far, rope)
         return self.tiled(q, keys, values, spans, retriever, summaries, rope)
@@ -450,20 +491,20 @@ class AnnAttention:
             selection_queries(block_q.detach(), self.kv_heads, self.summary),
             spans.positions(tile_begin, padded_len),
             chunk,
-            most_candidates(spans, tile_begin + padded_len - 1, self.window, self.block_size),
+            candidate_bounds(spans, tile_begin, tile_begin + padded_len - 1, self.window, self.block_size),
         )
 
     def select_blocks(self, tile, spans, retriever, summaries, tables):
         """The tile's top-n candidate blocks per query and kv head, gathered from tables
         (BlockTables): RetrievedBlocks, or None when top_n or every query's candidates are 0.
         """
-        # No query has more than max_candidates candidates: more slots would only be padding.
-        top_n = min(self.top_n, tile.max_candidates)
+        # No query has more candidates than the most: more slots would only be padding.
+        top_n = min(self.top_n, tile.candidates[1])
         if not top_n:
             return None
         limits = candidate_limits(tile.positions, spans.ends, self.window, self.block_size)
         with torch.no_grad():
-            block_ids, valid = retriever.select(tile.selecting, summaries, limits, top_n)
+            block_ids, valid = retriever.select(tile.selecting, summaries, limits, top_n, tile.candidates)
         return tables.gather(block_ids, valid, tile.positions, self.window)
 
     def tile_size(self, s):
