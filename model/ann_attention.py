@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from .dense_attention import dense_attention
 from .kv_cache import KVBuffer, with_capacity
 from .retrieval import block_summaries, build_retriever, candidate_count, selection_queries
+from .rope import apply_rope, rope_cos_sin
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256
@@ -138,6 +139,14 @@ def candidate_bounds(spans, first_offset, last_offset, window, block_size):
     return (
         min(candidates_at(spans, first_offset, window, block_size)),
         most_candidates(spans, last_offset, window, block_size),
+    )
+
+
+def decodes_one_position(spans, length):
+    """True when every row adds one real token (length 1) at one and the same position (host ints)."""
+    position = spans.host_first[0]
+    return length == 1 and all(first == position for first in spans.host_first) and all(
+        end == position + 1 for end in spans.host_ends
     )
 
 
@@ -312,6 +321,25 @@ def attend_tile(tile, slab, blocks, window):
     return out.view(q.shape) + block_weights @ blocks.values
 
 
+def attend_one(window_q, block_q, window_keys, window_values, far_keys, far_values, far_visible):
+    """One query per row over its W window keys and its far (retrieved) keys, under one softmax.
+
+    window_q, block_q (b, h, 1, d), scaled, in the window and block frames; window_keys/values
+    (b, g, W, d); far_keys/values (b, g, F, d); far_visible (b, g, F) bool, or None when every far
+    key is visible -> (b, h, 1, d).
+    """
+    b, h, _, d = window_q.shape
+    g, window = window_keys.shape[1], window_keys.shape[2]
+    window_logits = window_q.reshape(b, g, h // g, d) @ window_keys.transpose(-1, -2)  # (b, g, r, W)
+    far_logits = block_q.reshape(b, g, h // g, d) @ far_keys.transpose(-1, -2)  # (b, g, r, F)
+    if far_visible is not None:
+        far_logits.masked_fill_(~far_visible[:, :, None], NEG_INF)
+    logits = torch.cat([window_logits, far_logits], dim=-1)
+    weights = logits.softmax(dim=-1, dtype=torch.promote_types(window_q.dtype, torch.float32)).to(window_q.dtype)
+    window_weights, far_weights = weights.split([window, far_logits.shape[-1]], dim=-1)
+    return (window_weights @ window_values + far_weights @ far_values).view(b, h, 1, d)
+
+
 def window_band(num_queries, first_query, first_key, num_keys, window, device):
     """(s, t) bool: query first_query + i sees key first_key + j in its window (distance 0 .. W-1)."""
     offset = (first_key + torch.arange(num_keys, device=device))[None, :]
@@ -388,6 +416,7 @@ class AnnAttention:
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.config = config
+        self.far_table = None  # (rope settings, cos, sin) of the W capped distances, for decode_step
 
     def new_layer_cache(self, reserve=0):
         return AnnLayerCache(build_retriever(self.config), reserve, self.block_size, self.summary)
@@ -438,7 +467,49 @@ class AnnAttention:
                 block_ids, valid = retriever.select(group_queries, summaries, limits, top_n, bounds)
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
             return self.masked_sdpa(window_q, keys[:, :, :s], values[:, :, :s], far, rope)
+        if layer_cache is not None and decodes_one_position(spans, s):
+            return self.decode_step(q, keys, values, spans, retriever, summaries, rope)
         return self.tiled(q, keys, values, spans, retriever, summaries, rope)
+
+    def decode_step(self, q, keys, values, spans, retriever, summaries, rope):
+        """One new query per row, every row at the same position t >= W (decodes_one_position, not
+        is_dense): what the tiled path computes for it, without tiles, slabs or chunk padding, and
+        without selection when top_n covers every candidate block (then the far keys are exactly
+        positions 0 .. t-W, whatever order a selection would list them in).
+
+        q (b, h, 1, d) unrotated, keys/values (b, g, t+1, d) everything stored, summaries (b, g, m, e)
+        -> out (b, h, 1, d).
+        """
+        d = q.shape[-1]
+        window, position = self.window, spans.host_first[0]
+        q = q * (1.0 / math.sqrt(d))
+        window_q = rope(q)
+        block_q = apply_rope(q, *self.far_cos_sin(rope, position, q.device)) if self.capped else window_q
+        low, last_far = position - window + 1, position - window
+        window_keys, window_values = keys[:, :, low : position + 1], values[:, :, low : position + 1]
+        if self.capped:
+            window_keys = rope.at(window_keys, torch.arange(low, position + 1, device=q.device)[None])
+        candidates = last_far // self.block_size + 1
+        if candidates <= self.top_n:
+            far = (keys[:, :, : last_far + 1], values[:, :, : last_far + 1], None)
+        else:
+            limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)
+            with torch.no_grad():
+                selecting = selection_queries(block_q.detach(), self.kv_heads, self.summary)
+                block_ids, valid = retriever.select(selecting, summaries, limits, self.top_n, (candidates, candidates))
+            blocks = block_tables(keys, values, self.block_size).gather(block_ids, valid, spans.positions(0, 1), window)
+            far = (blocks.keys[:, :, 0], blocks.values[:, :, 0], blocks.visible[:, :, 0])
+        return attend_one(window_q, block_q, window_keys, window_values, *far)
+
+    def far_cos_sin(self, rope, position, device):
+        """cos, sin (1, 1, 1, d) that put a query at `position` in the frame of capped retrieved keys:
+        far_rope's rotation, from a table of the W distances it takes, made once per settings."""
+        settings = (rope.head_dim, rope.theta, rope.dtype, device)
+        if self.far_table is None or self.far_table[0] != settings:
+            distances = torch.arange(self.window, 2 * self.window, device=device)[None]
+            self.far_table = (settings, *rope_cos_sin(distances, rope.head_dim, rope.theta, rope.dtype))
+        index = position % self.window
+        return self.far_table[1][:, :, index : index + 1], self.far_table[2][:, :, index : index + 1]
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its

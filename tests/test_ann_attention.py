@@ -295,6 +295,42 @@ def test_host_bound_on_candidates_equals_the_device_maximum(first, ends, offset)
     spans = ann_attention.query_spans(torch.tensor(first), torch.tensor(ends), 2, offset + 1, "cpu")
     limits = ann_attention.candidate_limits(spans.positions(0, offset + 1), spans.ends, 16, 8)
     assert ann_attention.most_candidates(spans, offset, 16, 8) == int(limits.max())
+    assert ann_attention.candidate_bounds(spans, 0, offset, 16, 8) == (int(limits.min()), int(limits.max()))
+
+
+def general_path_only(monkeypatch):
+    monkeypatch.setattr(ann_attention, "decodes_one_position", lambda spans, length: False)
+
+
+@pytest.mark.parametrize("window,block_size,top_n", [(16, 8, 1), (16, 8, 3), (8, 4, 10_000), (12, 4, 2)])
+@pytest.mark.parametrize("heads,batch", [((4, 4), 1), ((4, 2), 2)], ids=["mha-b1", "gqa-b2"])
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+@pytest.mark.parametrize("summary", ["bounds", "mean"])
+def test_decode_step_equals_the_tiled_path(monkeypatch, window, block_size, top_n, heads, batch, block_position, summary):
+    """The one-token decode shortcut gives what the general tiled path gives, step by step from
+    positions below the window (dense) through every phase of a block, with top_n below and
+    above the number of candidates (where the shortcut skips selection)."""
+    num_heads, kv_heads = heads
+    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position, summary=summary)
+    q, k, v = (x.detach() for x in random_qkv(batch, num_heads, kv_heads, 60, seed=top_n + window))
+    prefill = 5
+    outputs, shortcut_steps = {}, []
+    decode_step = core.decode_step
+    monkeypatch.setattr(core, "decode_step", lambda *args: shortcut_steps.append(1) or decode_step(*args))
+    for name in ("shortcut", "general"):
+        if name == "general":
+            # (true positions with top_n covering every candidate are dense attention throughout)
+            assert shortcut_steps or core.is_dense(q.shape[2] - 1), "the shortcut was never taken"
+            general_path_only(monkeypatch)
+        cache = core.new_layer_cache()
+        starts = torch.zeros(batch, dtype=torch.long)
+        steps = [run(core, q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], starts, starts + prefill, cache)]
+        for position in range(prefill, q.shape[2]):
+            starts = torch.full((batch,), position)
+            sl = slice(position, position + 1)
+            steps.append(run(core, q[:, :, sl], k[:, :, sl], v[:, :, sl], starts, starts + 1, cache))
+        outputs[name] = torch.cat(steps, dim=2)
+    torch.testing.assert_close(outputs["shortcut"], outputs["general"], atol=1e-10, rtol=1e-10)
 
 
 def ann_model(retrieval="exact", **overrides):
