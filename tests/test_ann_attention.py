@@ -471,3 +471,46 @@ def test_bounds_summary_finds_a_block_by_its_one_matching_key(summary):
     block_ids, valid = exact_select(selecting, summaries, torch.tensor([[num_blocks]]), top_n=num_blocks)
     ranking = block_ids[0, 0, 0][valid[0, 0, 0]].tolist()
     assert ranking.index(needle) == (0 if summary == "bounds" else num_blocks - 1)
+
+
+HOST_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+
+
+def count_host_reads(monkeypatch, call):
+    """How many times call() reads a tensor back to the host (item, tolist, int(), bool(), ...)."""
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads.append(1)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    with torch.no_grad():
+        call()
+    monkeypatch.undo()
+    return len(reads)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["training-pass", "prefill-and-decode"])
+def test_host_reads_per_forward_do_not_grow_with_tiles_or_layers(monkeypatch, cached):
+    """A forward reads the device back a few times at most, however many tiles (sequence length)
+    and layers it runs: the loop's decisions come from host ints read once per call."""
+    counts = {}
+    for layers, length in [(1, 100), (3, 100), (1, 300), (3, 300)]:
+        model = ann_model(num_hidden_layers=layers)
+        ids = torch.randint(0, 300, (1, length), generator=torch.Generator().manual_seed(0))
+
+        def forward():
+            monkeypatch.setattr(ann_attention, "MASKED_SDPA_MAX_LEN", 0)
+            monkeypatch.setattr(ann_attention, "QUERY_TILE", 32)  # length / 32 tiles per layer
+            if not cached:
+                model(ids)
+                return
+            out = model(ids, use_cache=True)
+            model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+
+        counts[layers, length] = count_host_reads(monkeypatch, forward)
+    assert len(set(counts.values())) == 1, counts
+    assert max(counts.values()) <= 6, counts
