@@ -161,6 +161,24 @@ def test_matches_reference_outputs_and_gradients(path, length, window_block, top
     assert_same_outputs_and_gradients(out, expected, (q, k, v))
 
 
+# (dtype, tolerance) on CUDA against the float64 reference of the same (rounded) inputs
+CUDA_DTYPES = [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tolerance", CUDA_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("length,window_block,top_n,heads,batch,block_position,summary", GRID[::23])
+def test_matches_reference_on_cuda(path, dtype, tolerance, length, window_block, top_n, heads, batch, block_position, summary):
+    window, block_size = window_block
+    num_heads, kv_heads = heads
+    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position, summary=summary)
+    inputs = [x.detach().to(dtype) for x in random_qkv(batch, num_heads, kv_heads, length, seed=length + top_n)]
+    positions = torch.arange(length, device="cuda").expand(batch, length)
+    out = core(*(x.cuda() for x in inputs), None, None, None, Rope(positions, inputs[0].shape[-1], THETA, dtype))
+    expected = reference_attention(*(x.double() for x in inputs), window, block_size, top_n, block_position, summary)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("window,length", [(24, 200), (24, 72), (96, 300), (96, 50)])
 @pytest.mark.parametrize("block_position", ["capped", "true"])
 def test_tiles_when_the_window_does_not_divide_the_tile(monkeypatch, window, length, block_position):
