@@ -283,6 +283,14 @@ def main(argv=None):
     settings = vars(args)
     rows, skipped, failures = [], [], 0
     time_estimates = Extrapolator()
+    # A decode row's prefill apart: rows past --max_prefill_len write their cache instead.
+    prefill_estimates = Extrapolator()
+
+    def estimated_s(impl, mode, length):
+        timed = time_estimates.predict((impl, mode), length)
+        if timed is None or mode != "decode" or length > args.max_prefill_len:
+            return timed
+        return timed + (prefill_estimates.predict((impl, mode), length) or 0)
     # A decode row holds a cache, linear in its length; a pass may hold (dense) a quadratic mask.
     memory_estimates = {mode: Extrapolator(max_exponent=1.0 if mode == "decode" else 2.0) for mode in MODES}
 
@@ -293,7 +301,7 @@ def main(argv=None):
     for mode, length in planned_groups(args):
         results, failed = measure_group(
             args.impls,
-            lambda impl: skip_reason(time_estimates.predict((impl, mode), length), args.max_row_s,
+            lambda impl: skip_reason(estimated_s(impl, mode, length), args.max_row_s,
                                      memory_estimates[mode].predict((impl, mode), length), args.mem_limit_gb),
             partial(measure_memory, settings, mode=mode, length=length),
             partial(measure_times, settings, mode=mode, length=length),
@@ -302,8 +310,9 @@ def main(argv=None):
         failures += failed
         for impl, (memory, times) in results.items():
             # a row's cost for the extrapolation: its timed calls, and a decode row's prefill
-            row_s = times.pop("min_row_s") + (memory.get("prefill_ms") or 0) / 1000
-            time_estimates.add((impl, mode), length, row_s)
+            time_estimates.add((impl, mode), length, times.pop("min_row_s"))
+            if memory.get("prefill_ms"):
+                prefill_estimates.add((impl, mode), length, memory["prefill_ms"] / 1000)
             memory_estimates[mode].add((impl, mode), length, max(memory["peak_mb"], 1.0))
             rows.append({"impl": impl, "mode": mode, "seq_len": length, **times, **memory})
             print(f"{impl:9s} {mode:7s} {length:7d}: {times['ms']:10.3f} ms  {memory['peak_mb']:9.1f} MB", flush=True)
