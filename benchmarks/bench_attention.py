@@ -64,8 +64,8 @@ DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 def parse_args(argv=None):
     defaults = MiniMindConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])
-    p.add_argument("--decode_lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144, 1048576])
+    p.add_argument("--decode_lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072, 1048576])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--max_bwd_len", type=int, default=8192, help="fwd_bwd rows only up to this length")
@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed calls per row; the median is reported")
     p.add_argument("--decode_steps", type=int, default=20, help="timed decode steps per row")
     p.add_argument("--prefill_chunk", type=int, default=2048, help="tokens per prefill call when building a cache")
+    p.add_argument("--max_prefill_len", type=int, default=131072,
+                   help="longer ANN decode caches are written (keys, values, block summaries), not prefilled")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
@@ -152,8 +154,10 @@ def decode_call(settings, impl, length):
     """One implementation's cache of `length` tokens -> (a call decoding the next token, the
     PeakMemory started before the measured prefill, {prefill_ms, prefill_peak_mb, kv_cache_mb}).
 
-    The ANN cache is built by chunked prefill through the core; the dense KV buffer by writing
-    the keys. A short prefill into a throwaway cache comes first, as the timed modes warm up: the
+    The ANN cache is built by chunked prefill through the core up to --max_prefill_len tokens;
+    beyond, by writing what a prefill leaves in it: keys, values and block summaries (the prefill's
+    exact selection is quadratic in the length, and its outputs are not needed here; HNSW graphs
+    grow in the first, untimed, decode step). The dense KV buffer is filled by writing the keys. A short prefill into a throwaway cache comes first, as the timed modes warm up: the
     first calls' one-time allocations (thread pools, BLAS workspaces; ~60 MB on CPU) are not the
     prefill's.
     """
@@ -162,6 +166,8 @@ def decode_call(settings, impl, length):
     core = build_core(settings, impl)
     batch, chunk = settings["batch"], settings["prefill_chunk"]
 
+    written = impl == "dense" or length > settings["max_prefill_len"]
+
     def prefill(cache, length):
         for begin in range(0, length, chunk):
             size = min(chunk, length - begin)
@@ -169,6 +175,9 @@ def decode_call(settings, impl, length):
             starts = torch.full((batch,), begin, device=device)
             if impl == "dense":
                 cache.write(k, v, starts)
+            elif written:
+                cache.write(k, v, starts)
+                cache.update_summaries(begin, begin + size)
             else:
                 with torch.no_grad():
                     core(q, k, v, starts, starts + size, cache, rope_at(settings, begin, size))
@@ -183,7 +192,8 @@ def decode_call(settings, impl, length):
     prefill_s = time.perf_counter() - started
     element_bytes = torch.finfo(DTYPES[settings["dtype"]]).bits // 8
     info = {
-        "prefill_ms": None if impl == "dense" else 1000 * prefill_s,
+        "prefill_ms": None if written else 1000 * prefill_s,
+        "cache_built": "written" if written else "prefill",
         "prefill_peak_mb": memory.peak_mb(),
         "kv_cache_mb": 2 * batch * settings["kv_heads"] * length * settings["head_dim"] * element_bytes / 2**20,
     }
@@ -273,6 +283,14 @@ def main(argv=None):
     settings = vars(args)
     rows, skipped, failures = [], [], 0
     time_estimates = Extrapolator()
+    # A decode row's prefill apart: rows past --max_prefill_len write their cache instead.
+    prefill_estimates = Extrapolator()
+
+    def estimated_s(impl, mode, length):
+        timed = time_estimates.predict((impl, mode), length)
+        if timed is None or mode != "decode" or length > args.max_prefill_len:
+            return timed
+        return timed + (prefill_estimates.predict((impl, mode), length) or 0)
     # A decode row holds a cache, linear in its length; a pass may hold (dense) a quadratic mask.
     memory_estimates = {mode: Extrapolator(max_exponent=1.0 if mode == "decode" else 2.0) for mode in MODES}
 
@@ -283,7 +301,7 @@ def main(argv=None):
     for mode, length in planned_groups(args):
         results, failed = measure_group(
             args.impls,
-            lambda impl: skip_reason(time_estimates.predict((impl, mode), length), args.max_row_s,
+            lambda impl: skip_reason(estimated_s(impl, mode, length), args.max_row_s,
                                      memory_estimates[mode].predict((impl, mode), length), args.mem_limit_gb),
             partial(measure_memory, settings, mode=mode, length=length),
             partial(measure_times, settings, mode=mode, length=length),
@@ -292,8 +310,9 @@ def main(argv=None):
         failures += failed
         for impl, (memory, times) in results.items():
             # a row's cost for the extrapolation: its timed calls, and a decode row's prefill
-            row_s = times.pop("min_row_s") + (memory.get("prefill_ms") or 0) / 1000
-            time_estimates.add((impl, mode), length, row_s)
+            time_estimates.add((impl, mode), length, times.pop("min_row_s"))
+            if memory.get("prefill_ms"):
+                prefill_estimates.add((impl, mode), length, memory["prefill_ms"] / 1000)
             memory_estimates[mode].add((impl, mode), length, max(memory["peak_mb"], 1.0))
             rows.append({"impl": impl, "mode": mode, "seq_len": length, **times, **memory})
             print(f"{impl:9s} {mode:7s} {length:7d}: {times['ms']:10.3f} ms  {memory['peak_mb']:9.1f} MB", flush=True)

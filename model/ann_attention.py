@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from .dense_attention import dense_attention
 from .kv_cache import KVBuffer, with_capacity
 from .retrieval import block_summaries, build_retriever, candidate_count, selection_queries
+from .rope import apply_rope, rope_cos_sin
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256
@@ -75,17 +76,39 @@ class QuerySpans(NamedTuple):
         return self.first[:, None] + offset + torch.arange(length, device=self.first.device)
 
 
+# The last host read of query_spans: (starts, ends, their versions, length, QuerySpans). Every layer
+# of one forward gets the same starts and ends tensors, so they share one read.
+_last_read = [None]
+
+
+def tensor_versions(*tensors):
+    """The in-place version counters of tensors (None for None), or None where one is an inference
+    tensor, which has no counter."""
+    if any(tensor is not None and tensor.is_inference() for tensor in tensors):
+        return None
+    return tuple(None if tensor is None else tensor._version for tensor in tensors)
+
+
 def query_spans(starts, ends, batch, length, device):
     """starts (b,) or None (a pass from position 0), ends (b,) or None (starts + length) -> QuerySpans.
 
-    One host read when starts or ends is given, none for a pass from position 0.
+    One host read when starts or ends is given, none for a pass from position 0; a call with the
+    very tensors of the previous call, unchanged since, reuses its read (the layers of a forward).
     """
     first = torch.zeros(batch, dtype=torch.long, device=device) if starts is None else starts
     if starts is None and ends is None:
         return QuerySpans(first, first + length, (0,) * batch, (length,) * batch)
+    versions = tensor_versions(starts, ends)
+    last = _last_read[0]
+    if versions is not None and last is not None and last[0] is starts and last[1] is ends and last[2:4] == (versions, length):
+        return last[4]
+    given_ends = ends
     ends = first + length if ends is None else ends
     host_first, host_ends = torch.stack([first, ends.to(first.dtype)]).tolist()
-    return QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
+    spans = QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
+    if versions is not None:
+        _last_read[0] = (starts, given_ends, versions, length, spans)
+    return spans
 
 
 def candidate_limits(positions, ends, window, block_size):
@@ -94,13 +117,37 @@ def candidate_limits(positions, ends, window, block_size):
     return candidate_count(torch.minimum(positions, ends[:, None] - 1), window, block_size)
 
 
+def candidates_at(spans, offset, window, block_size):
+    """Host ints, one per row: candidate_limits of the query `offset` past the row's first."""
+    return [
+        max(0, (min(first + offset, end - 1) - window) // block_size + 1)
+        for first, end in zip(spans.host_first, spans.host_ends)
+    ]
+
+
 def most_candidates(spans, offset, window, block_size):
     """Host int: the largest candidate_limits of the queries up to `offset` past each row's first.
 
     candidate_count grows with the position, so it is the count at the latest such position.
     """
-    latest = max(min(first + offset, end - 1) for first, end in zip(spans.host_first, spans.host_ends))
-    return max(0, (latest - window) // block_size + 1)
+    return max(candidates_at(spans, offset, window, block_size))
+
+
+def candidate_bounds(spans, first_offset, last_offset, window, block_size):
+    """Host (fewest, most) candidate_limits of the queries first_offset .. last_offset past each
+    row's first: the limits grow with the position, so the ends of the span hold both."""
+    return (
+        min(candidates_at(spans, first_offset, window, block_size)),
+        most_candidates(spans, last_offset, window, block_size),
+    )
+
+
+def decodes_one_position(spans, length):
+    """True when every row adds one real token (length 1) at one and the same position (host ints)."""
+    position = spans.host_first[0]
+    return length == 1 and all(first == position for first in spans.host_first) and all(
+        end == position + 1 for end in spans.host_ends
+    )
 
 
 class TileQueries(NamedTuple):
@@ -108,7 +155,7 @@ class TileQueries(NamedTuple):
 
     window_q, block_q (b, g, T, r, d): token-major, scaled by 1/sqrt(d), in the window keys' and the
     block keys' frames; selecting (b, g, T, e): the group vectors that score blocks, detached;
-    positions (b, T); chunk: C; max_candidates: host int, the most candidate blocks of any query.
+    positions (b, T); chunk: C; candidates: host (fewest, most) candidate blocks of its queries.
     """
 
     window_q: torch.Tensor
@@ -116,7 +163,7 @@ class TileQueries(NamedTuple):
     selecting: torch.Tensor
     positions: torch.Tensor
     chunk: int
-    max_candidates: int
+    candidates: tuple
 
 
 class WindowSlab(NamedTuple):
@@ -274,6 +321,25 @@ def attend_tile(tile, slab, blocks, window):
     return out.view(q.shape) + block_weights @ blocks.values
 
 
+def attend_one(window_q, block_q, window_keys, window_values, far_keys, far_values, far_visible):
+    """One query per row over its W window keys and its far (retrieved) keys, under one softmax.
+
+    window_q, block_q (b, h, 1, d), scaled, in the window and block frames; window_keys/values
+    (b, g, W, d); far_keys/values (b, g, F, d); far_visible (b, g, F) bool, or None when every far
+    key is visible -> (b, h, 1, d).
+    """
+    b, h, _, d = window_q.shape
+    g, window = window_keys.shape[1], window_keys.shape[2]
+    window_logits = window_q.reshape(b, g, h // g, d) @ window_keys.transpose(-1, -2)  # (b, g, r, W)
+    far_logits = block_q.reshape(b, g, h // g, d) @ far_keys.transpose(-1, -2)  # (b, g, r, F)
+    if far_visible is not None:
+        far_logits.masked_fill_(~far_visible[:, :, None], NEG_INF)
+    logits = torch.cat([window_logits, far_logits], dim=-1)
+    weights = logits.softmax(dim=-1, dtype=torch.promote_types(window_q.dtype, torch.float32)).to(window_q.dtype)
+    window_weights, far_weights = weights.split([window, far_logits.shape[-1]], dim=-1)
+    return (window_weights @ window_values + far_weights @ far_values).view(b, h, 1, d)
+
+
 def window_band(num_queries, first_query, first_key, num_keys, window, device):
     """(s, t) bool: query first_query + i sees key first_key + j in its window (distance 0 .. W-1)."""
     offset = (first_key + torch.arange(num_keys, device=device))[None, :]
@@ -333,6 +399,8 @@ class AnnLayerCache(KVBuffer):
         """
         first = first_position // self.block_size
         end = end_position // self.block_size
+        if first == end and self.summaries is not None and self.summaries.shape[2] >= end:  # most decoding steps
+            return self.summaries[:, :, :end]
         fresh = block_summaries(self.k, first, end, self.block_size, self.summary)
         self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // self.block_size)
         self.summaries[:, :, first:end] = fresh
@@ -348,6 +416,7 @@ class AnnAttention:
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.config = config
+        self.far_table = None  # (rope settings, cos, sin) of the W capped distances, for decode_step
 
     def new_layer_cache(self, reserve=0):
         return AnnLayerCache(build_retriever(self.config), reserve, self.block_size, self.summary)
@@ -376,7 +445,7 @@ class AnnAttention:
         if layer_cache is None:
             keys, values = k, v
         else:
-            keys, values = layer_cache.append(k, v, spans.first)
+            keys, values = layer_cache.append(k, v, spans.first, spans.host_first)
         if self.is_dense(max(spans.host_first) + s - 1):
             if layer_cache is not None:
                 layer_cache.update_summaries(min(spans.host_first), max(spans.host_ends))
@@ -392,12 +461,55 @@ class AnnAttention:
             window_q, block_q = self.query_frames(q, rope)
             group_queries = selection_queries(block_q.detach(), self.kv_heads, self.summary)
             limits = candidate_limits(spans.positions(0, s), spans.ends, self.window, self.block_size)
-            top_n = min(self.top_n, most_candidates(spans, s - 1, self.window, self.block_size))
+            bounds = candidate_bounds(spans, 0, s - 1, self.window, self.block_size)
+            top_n = min(self.top_n, bounds[1])
             with torch.no_grad():
-                block_ids, valid = retriever.select(group_queries, summaries, limits, top_n)
+                block_ids, valid = retriever.select(group_queries, summaries, limits, top_n, bounds)
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
             return self.masked_sdpa(window_q, keys[:, :, :s], values[:, :, :s], far, rope)
+        if layer_cache is not None and decodes_one_position(spans, s):
+            return self.decode_step(q, keys, values, spans, retriever, summaries, rope)
         return self.tiled(q, keys, values, spans, retriever, summaries, rope)
+
+    def decode_step(self, q, keys, values, spans, retriever, summaries, rope):
+        """One new query per row, every row at the same position t >= W (decodes_one_position, not
+        is_dense): what the tiled path computes for it, without tiles, slabs or chunk padding, and
+        without selection when top_n covers every candidate block (then the far keys are exactly
+        positions 0 .. t-W, whatever order a selection would list them in).
+
+        q (b, h, 1, d) unrotated, keys/values (b, g, t+1, d) everything stored, summaries (b, g, m, e)
+        -> out (b, h, 1, d).
+        """
+        d = q.shape[-1]
+        window, position = self.window, spans.host_first[0]
+        q = q * (1.0 / math.sqrt(d))
+        window_q = rope(q)
+        block_q = apply_rope(q, *self.far_cos_sin(rope, position, q.device)) if self.capped else window_q
+        low, last_far = position - window + 1, position - window
+        window_keys, window_values = keys[:, :, low : position + 1], values[:, :, low : position + 1]
+        if self.capped:
+            window_keys = rope.at(window_keys, torch.arange(low, position + 1, device=q.device)[None])
+        candidates = last_far // self.block_size + 1
+        if candidates <= self.top_n:
+            far = (keys[:, :, : last_far + 1], values[:, :, : last_far + 1], None)
+        else:
+            limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)
+            with torch.no_grad():
+                selecting = selection_queries(block_q.detach(), self.kv_heads, self.summary)
+                block_ids, valid = retriever.select(selecting, summaries, limits, self.top_n, (candidates, candidates))
+            blocks = block_tables(keys, values, self.block_size).gather(block_ids, valid, spans.positions(0, 1), window)
+            far = (blocks.keys[:, :, 0], blocks.values[:, :, 0], blocks.visible[:, :, 0])
+        return attend_one(window_q, block_q, window_keys, window_values, *far)
+
+    def far_cos_sin(self, rope, position, device):
+        """cos, sin (1, 1, 1, d) that put a query at `position` in the frame of capped retrieved keys:
+        far_rope's rotation, from a table of the W distances it takes, made once per settings."""
+        settings = (rope.head_dim, rope.theta, rope.dtype, device)
+        if self.far_table is None or self.far_table[0] != settings:
+            distances = torch.arange(self.window, 2 * self.window, device=device)[None]
+            self.far_table = (settings, *rope_cos_sin(distances, rope.head_dim, rope.theta, rope.dtype))
+        index = position % self.window
+        return self.far_table[1][:, :, index : index + 1], self.far_table[2][:, :, index : index + 1]
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its
@@ -450,20 +562,20 @@ class AnnAttention:
             selection_queries(block_q.detach(), self.kv_heads, self.summary),
             spans.positions(tile_begin, padded_len),
             chunk,
-            most_candidates(spans, tile_begin + padded_len - 1, self.window, self.block_size),
+            candidate_bounds(spans, tile_begin, tile_begin + padded_len - 1, self.window, self.block_size),
         )
 
     def select_blocks(self, tile, spans, retriever, summaries, tables):
         """The tile's top-n candidate blocks per query and kv head, gathered from tables
         (BlockTables): RetrievedBlocks, or None when top_n or every query's candidates are 0.
         """
-        # No query has more than max_candidates candidates: more slots would only be padding.
-        top_n = min(self.top_n, tile.max_candidates)
+        # No query has more candidates than the most: more slots would only be padding.
+        top_n = min(self.top_n, tile.candidates[1])
         if not top_n:
             return None
         limits = candidate_limits(tile.positions, spans.ends, self.window, self.block_size)
         with torch.no_grad():
-            block_ids, valid = retriever.select(tile.selecting, summaries, limits, top_n)
+            block_ids, valid = retriever.select(tile.selecting, summaries, limits, top_n, tile.candidates)
         return tables.gather(block_ids, valid, tile.positions, self.window)
 
     def tile_size(self, s):

@@ -232,8 +232,10 @@ class HnswRetriever:
             for graph, vectors in zip(self.graphs[row], blocks):
                 graph.add(vectors)
 
-    def select(self, group_queries, summaries, limits, top_n):
-        """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> ids, valid (b, g, s, n)."""
+    def select(self, group_queries, summaries, limits, top_n, bounds=None):
+        """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> ids, valid (b, g, s, n).
+
+        bounds is unused: the search reads every limit on the host anyway."""
         self._check_batch(summaries)
         b, g, s, _ = group_queries.shape
         block_ids = np.zeros((b, g, s, top_n), dtype=np.int64)

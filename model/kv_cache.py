@@ -34,14 +34,18 @@ class KVBuffer:
         self.reserve = reserve
         self.granularity = granularity
 
-    def write(self, k_new, v_new, starts):
-        """Store k_new/v_new (b, hkv, s, d) at positions starts[i] .. starts[i] + s - 1 of sequence i."""
+    def write(self, k_new, v_new, starts, host_starts=None):
+        """Store k_new/v_new (b, hkv, s, d) at positions starts[i] .. starts[i] + s - 1 of sequence i.
+
+        host_starts: starts as a tuple of ints when the caller has them (nothing is read back then).
+        """
         b, hkv, s, d = k_new.shape
-        end = int(starts.max()) + s
+        host_starts = tuple(starts.tolist()) if host_starts is None else host_starts
+        end = max(host_starts) + s
         self.k = with_capacity(self.k, k_new, end, max(self.reserve, 256), self.granularity)
         self.v = with_capacity(self.v, v_new, end, max(self.reserve, 256), self.granularity)
-        if bool((starts == starts[0]).all()):
-            start = int(starts[0])
+        if len(set(host_starts)) == 1:
+            start = host_starts[0]
             self.k[:, :, start : start + s] = k_new
             self.v[:, :, start : start + s] = v_new
         else:
@@ -50,9 +54,9 @@ class KVBuffer:
             self.v.scatter_(2, index, v_new)
         return end
 
-    def append(self, k_new, v_new, starts):
+    def append(self, k_new, v_new, starts, host_starts=None):
         """Write the new keys/values and return views of everything stored, (b, hkv, t, d) each."""
-        end = self.write(k_new, v_new, starts)
+        end = self.write(k_new, v_new, starts, host_starts)
         return self.k[:, :, :end], self.v[:, :, :end]
 
 

@@ -9,11 +9,13 @@ keeps the best top_n (`selection_queries` and `block_summaries` below build both
 key] against the split query, or mean key against the summed query). Retrieval is therefore plain maximum inner product
 search, whatever the summary. Two retrievers give the same answer through one interface:
 
-    retriever.select(group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s), top_n)
+    retriever.select(group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s), top_n, bounds)
         -> block ids (b, g, s, n) long, valid (b, g, s, n) bool
 
 `limits` is how many leading blocks are candidates for each query (0 .. m); slots past the
-number of candidates are invalid, so a query never sees padding or a duplicated block.
+number of candidates are invalid, so a query never sees padding or a duplicated block. `bounds`
+is (fewest, most) of the limits as host ints, known to the caller without reading the device
+(QuerySpans); None reads them from `limits`.
 
     exact: one batched matmul and top-k in torch (training's default).
     hnsw:  (model/hnsw.py) a FAISS HNSW graph per (sequence, kv head) that grows block by block, in
@@ -76,19 +78,29 @@ def pad_selection(block_ids, valid, top_n):
     return block_ids, valid
 
 
-def exact_select(group_queries, summaries, limits, top_n):
+def limit_bounds(limits, bounds):
+    """bounds, or (fewest, most) of limits (b, s) read from the device when bounds is None."""
+    if bounds is not None:
+        return bounds
+    fewest, most = torch.aminmax(limits)
+    return int(fewest), int(most)
+
+
+def exact_select(group_queries, summaries, limits, top_n, bounds=None):
     """Exact top-n candidate blocks per query by inner product.
 
-    group_queries (b, g, s, d), summaries (b, g, m, d), limits (b, s) -> ids, valid (b, g, s, n).
+    group_queries (b, g, s, d), summaries (b, g, m, d), limits (b, s), bounds: see limit_bounds
+    -> ids, valid (b, g, s, n).
     """
-    m = min(int(limits.max()), summaries.shape[2])
+    fewest, most = limit_bounds(limits, bounds)
+    m = min(most, summaries.shape[2])
     if m == 0 or top_n == 0:
         empty = group_queries.new_zeros(*group_queries.shape[:3], top_n, dtype=torch.long)
         return empty, empty.bool()
     scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
     # Every query has its first limits.min() blocks as candidates: only the columns past them need
     # masking, in place (a fresh matmul output, the largest tensor here).
-    first_masked = int(limits.min())
+    first_masked = min(fewest, m)
     if first_masked < m:
         is_candidate = torch.arange(first_masked, m, device=scores.device)[None, None, :] < limits[:, :, None]
         scores[..., first_masked:].masked_fill_(~is_candidate[:, None], NEG_INF)
@@ -97,8 +109,8 @@ def exact_select(group_queries, summaries, limits, top_n):
 
 
 class ExactRetriever:
-    def select(self, group_queries, summaries, limits, top_n):
-        return exact_select(group_queries, summaries, limits, top_n)
+    def select(self, group_queries, summaries, limits, top_n, bounds=None):
+        return exact_select(group_queries, summaries, limits, top_n, bounds)
 
 
 class AutoRetriever:
@@ -112,14 +124,17 @@ class AutoRetriever:
         self.threshold = threshold
         self.hnsw = HnswRetriever(m, ef_construction, ef_search)
 
-    def select(self, group_queries, summaries, limits, top_n):
-        far = limits >= self.threshold  # (b, s)
-        if not bool(far.any()):
-            return exact_select(group_queries, summaries, limits, top_n)
-        if bool(far.all()):
+    def select(self, group_queries, summaries, limits, top_n, bounds=None):
+        fewest, most = limit_bounds(limits, bounds)
+        if most < self.threshold:
+            return exact_select(group_queries, summaries, limits, top_n, (fewest, most))
+        if fewest >= self.threshold:
             return self.hnsw.select(group_queries, summaries, limits, top_n)
+        far = limits >= self.threshold  # (b, s)
         # A limit of 0 gives a query no blocks: each retriever sees only its own queries.
-        exact_ids, exact_valid = exact_select(group_queries, summaries, limits.masked_fill(far, 0), top_n)
+        exact_ids, exact_valid = exact_select(
+            group_queries, summaries, limits.masked_fill(far, 0), top_n, (0, min(most, self.threshold - 1))
+        )
         hnsw_ids, hnsw_valid = self.hnsw.select(group_queries, summaries, limits.masked_fill(~far, 0), top_n)
         far = far[:, None, :, None]
         return torch.where(far, hnsw_ids, exact_ids), torch.where(far, hnsw_valid, exact_valid)

@@ -163,6 +163,24 @@ def test_matches_reference_outputs_and_gradients(path, length, window_block, top
     assert_same_outputs_and_gradients(out, expected, (q, k, v))
 
 
+# (dtype, tolerance) on CUDA against the float64 reference of the same (rounded) inputs
+CUDA_DTYPES = [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tolerance", CUDA_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("length,window_block,top_n,heads,batch,block_position,summary", GRID[::23])
+def test_matches_reference_on_cuda(path, dtype, tolerance, length, window_block, top_n, heads, batch, block_position, summary):
+    window, block_size = window_block
+    num_heads, kv_heads = heads
+    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position, summary=summary)
+    inputs = [x.detach().to(dtype) for x in random_qkv(batch, num_heads, kv_heads, length, seed=length + top_n)]
+    positions = torch.arange(length, device="cuda").expand(batch, length)
+    out = core(*(x.cuda() for x in inputs), None, None, None, Rope(positions, inputs[0].shape[-1], THETA, dtype))
+    expected = reference_attention(*(x.double() for x in inputs), window, block_size, top_n, block_position, summary)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("window,length", [(24, 200), (24, 72), (96, 300), (96, 50)])
 @pytest.mark.parametrize("block_position", ["capped", "true"])
 def test_tiles_when_the_window_does_not_divide_the_tile(monkeypatch, window, length, block_position):
@@ -297,6 +315,42 @@ def test_host_bound_on_candidates_equals_the_device_maximum(first, ends, offset)
     spans = ann_attention.query_spans(torch.tensor(first), torch.tensor(ends), 2, offset + 1, "cpu")
     limits = ann_attention.candidate_limits(spans.positions(0, offset + 1), spans.ends, 16, 8)
     assert ann_attention.most_candidates(spans, offset, 16, 8) == int(limits.max())
+    assert ann_attention.candidate_bounds(spans, 0, offset, 16, 8) == (int(limits.min()), int(limits.max()))
+
+
+def general_path_only(monkeypatch):
+    monkeypatch.setattr(ann_attention, "decodes_one_position", lambda spans, length: False)
+
+
+@pytest.mark.parametrize("window,block_size,top_n", [(16, 8, 1), (16, 8, 3), (8, 4, 10_000), (12, 4, 2)])
+@pytest.mark.parametrize("heads,batch", [((4, 4), 1), ((4, 2), 2)], ids=["mha-b1", "gqa-b2"])
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+@pytest.mark.parametrize("summary", ["bounds", "mean"])
+def test_decode_step_equals_the_tiled_path(monkeypatch, window, block_size, top_n, heads, batch, block_position, summary):
+    """The one-token decode shortcut gives what the general tiled path gives, step by step from
+    positions below the window (dense) through every phase of a block, with top_n below and
+    above the number of candidates (where the shortcut skips selection)."""
+    num_heads, kv_heads = heads
+    core = make_core(num_heads, kv_heads, window, block_size, top_n, block_position=block_position, summary=summary)
+    q, k, v = (x.detach() for x in random_qkv(batch, num_heads, kv_heads, 60, seed=top_n + window))
+    prefill = 5
+    outputs, shortcut_steps = {}, []
+    decode_step = core.decode_step
+    monkeypatch.setattr(core, "decode_step", lambda *args: shortcut_steps.append(1) or decode_step(*args))
+    for name in ("shortcut", "general"):
+        if name == "general":
+            # (true positions with top_n covering every candidate are dense attention throughout)
+            assert shortcut_steps or core.is_dense(q.shape[2] - 1), "the shortcut was never taken"
+            general_path_only(monkeypatch)
+        cache = core.new_layer_cache()
+        starts = torch.zeros(batch, dtype=torch.long)
+        steps = [run(core, q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], starts, starts + prefill, cache)]
+        for position in range(prefill, q.shape[2]):
+            starts = torch.full((batch,), position)
+            sl = slice(position, position + 1)
+            steps.append(run(core, q[:, :, sl], k[:, :, sl], v[:, :, sl], starts, starts + 1, cache))
+        outputs[name] = torch.cat(steps, dim=2)
+    torch.testing.assert_close(outputs["shortcut"], outputs["general"], atol=1e-10, rtol=1e-10)
 
 
 def ann_model(retrieval="exact", **overrides):
@@ -436,3 +490,46 @@ def test_bounds_summary_finds_a_block_by_its_one_matching_key(summary):
     block_ids, valid = exact_select(selecting, summaries, torch.tensor([[num_blocks]]), top_n=num_blocks)
     ranking = block_ids[0, 0, 0][valid[0, 0, 0]].tolist()
     assert ranking.index(needle) == (0 if summary == "bounds" else num_blocks - 1)
+
+
+HOST_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+
+
+def count_host_reads(monkeypatch, call):
+    """How many times call() reads a tensor back to the host (item, tolist, int(), bool(), ...)."""
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads.append(1)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    with torch.no_grad():
+        call()
+    monkeypatch.undo()
+    return len(reads)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["training-pass", "prefill-and-decode"])
+def test_host_reads_per_forward_do_not_grow_with_tiles_or_layers(monkeypatch, cached):
+    """A forward reads the device back a few times at most, however many tiles (sequence length)
+    and layers it runs: the loop's decisions come from host ints read once per call."""
+    counts = {}
+    for layers, length in [(1, 100), (3, 100), (1, 300), (3, 300)]:
+        model = ann_model(num_hidden_layers=layers)
+        ids = torch.randint(0, 300, (1, length), generator=torch.Generator().manual_seed(0))
+
+        def forward():
+            monkeypatch.setattr(ann_attention, "MASKED_SDPA_MAX_LEN", 0)
+            monkeypatch.setattr(ann_attention, "QUERY_TILE", 32)  # length / 32 tiles per layer
+            if not cached:
+                model(ids)
+                return
+            out = model(ids, use_cache=True)
+            model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+
+        counts[layers, length] = count_host_reads(monkeypatch, forward)
+    assert len(set(counts.values())) == 1, counts
+    assert max(counts.values()) <= 6, counts
