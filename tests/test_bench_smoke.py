@@ -116,3 +116,14 @@ def test_bench_retrieval_model_keys(tmp_path):
     assert sorted({row["blocks"] for row in report["rows"]}) == [16, 64]  # 1000 blocks need more tokens: skipped
     check_retrieval_report(report, [16, 64], [64])
     assert report["config"]["keys"].startswith("model")
+
+
+def test_bench_context_parallel(tmp_path):
+    json_path = tmp_path / "context_parallel.json"
+    run_script(["benchmarks/bench_context_parallel.py", "--length", "256", "--ranks", "1", "2", "--decode_steps", "2",
+                "--json", str(json_path)])
+    report = load_outputs(json_path)
+    assert [(row["world"], row["rank"]) for row in report["rows"]] == [(1, 0), (2, 0), (2, 1)]
+    assert all(row["prefill_s"] > 0 and row["decode_ms"] > 0 for row in report["rows"])
+    assert [row["bytes_per_token"] > 0 for row in report["rows"]] == [False, True, True]
+    assert [row["machines"] for row in report["plan"]] == [64, 256, 1024]
