@@ -7,10 +7,12 @@ end); the model is an untrained tiny ANN model, so this measures cost, not retri
 Then the cost model (cost_model) extrapolates to 1B tokens over M machines (docs/SCALING.md).
 
     python benchmarks/bench_context_parallel.py --length 16384 --ranks 1 2 4
+    torchrun --nproc_per_node 4 benchmarks/bench_context_parallel.py --length 16384   # one row per rank
 """
 
 import argparse
 import multiprocessing
+import os
 import socket
 import sys
 import time
@@ -38,9 +40,10 @@ def passkey_prompt(length, seed=0):
     return ids
 
 
-def rank_main(rank, world, port, length, decode_steps, results):
+def rank_main(rank, world, init_method, length, decode_steps, results):
+    """One rank's measurement, put on `results` (a queue, or a list under torchrun)."""
     torch.set_num_threads(1)
-    group = join_group(rank, world, f"tcp://127.0.0.1:{port}", 600.0)
+    group = join_group(rank, world, init_method, 600.0)
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(**MODEL)).eval()
     ids = passkey_prompt(length)
@@ -58,7 +61,7 @@ def rank_main(rank, world, port, length, decode_steps, results):
             token = sharded.decode(token)[:, -1:].argmax(-1)
         decode_ms = 1000 * (time.perf_counter() - begin) / decode_steps
     del logits
-    results.put(dict(rank=rank, prefill_s=prefill_s, peak_rss_mb=memory.peak_mb(), decode_ms=decode_ms,
+    (results.put if hasattr(results, "put") else results.append)(dict(rank=rank, prefill_s=prefill_s, peak_rss_mb=memory.peak_mb(), decode_ms=decode_ms,
                      bytes_per_token=(group.bytes_sent - sent) / decode_steps,
                      messages_per_token=(group.messages - messages) / decode_steps))
 
@@ -73,7 +76,7 @@ def measure(world, length, decode_steps, timeout_s):
     """One forked launch of `world` ranks -> one row per rank (raises if a rank fails or overruns)."""
     context = multiprocessing.get_context("fork")
     results, port = context.Queue(), free_port()
-    processes = [context.Process(target=rank_main, args=(rank, world, port, length, decode_steps, results))
+    processes = [context.Process(target=rank_main, args=(rank, world, f"tcp://127.0.0.1:{port}", length, decode_steps, results))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -118,6 +121,11 @@ def main(argv=None):
     parser.add_argument("--timeout_s", type=float, default=1800)
     parser.add_argument("--json", default="docs/bench/context_parallel.json")
     args = parser.parse_args(argv)
+    if "LOCAL_RANK" in os.environ:  # launched by torchrun: this process is one rank; each prints its row
+        rows = []
+        rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args.length, args.decode_steps, rows)
+        print(rows[0])
+        return
     rows = [row for world in args.ranks for row in measure(world, args.length, args.decode_steps, args.timeout_s)]
     print(format_table(rows, [("ranks", "world", "{}"), ("rank", "rank", "{}"), ("prefill s", "prefill_s", "{:.2f}"),
                               ("peak RSS MB", "peak_rss_mb", "{:.1f}"), ("decode ms/token", "decode_ms", "{:.1f}"),
