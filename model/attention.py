@@ -54,7 +54,7 @@ class Attention(nn.Module):
         k = self.k_proj(key_input).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = self.core(q, k, v, starts, ends, layer_cache, rope)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         split_old_key_shift(state_dict, prefix + "k_shift")

@@ -28,6 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .ann_attention import AnnAttention  # noqa: F401
 from .attention import Attention, split_old_key_shift
 from .config import MiniMindConfig
+from .context_parallel import ContextParallelLM  # noqa: F401
 from .dense_attention import DenseAttention  # noqa: F401
 from .hnsw import HnswRetriever  # noqa: F401
 from .kv_cache import MiniMindCache

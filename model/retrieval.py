@@ -82,8 +82,28 @@ def limit_bounds(limits, bounds):
     """bounds, or (fewest, most) of limits (b, s) read from the device when bounds is None."""
     if bounds is not None:
         return bounds
+    if not limits.numel():
+        return 0, 0
     fewest, most = torch.aminmax(limits)
     return int(fewest), int(most)
+
+
+def candidate_scores(group_queries, summaries, limits, bounds=None):
+    """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> scores (b, g, s, m'), m' <= m.
+
+    Each query's score of every block, -inf past its `limits` candidates; only the m' leading
+    blocks that some query has as candidates are scored. bounds: see limit_bounds.
+    """
+    fewest, most = limit_bounds(limits, bounds)
+    m = min(most, summaries.shape[2])
+    scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
+    # Every query has its first limits.min() blocks as candidates: only the columns past them need
+    # masking, in place (a fresh matmul output, the largest tensor here).
+    first_masked = min(fewest, m)
+    if first_masked < m:
+        is_candidate = torch.arange(first_masked, m, device=scores.device)[None, None, :] < limits[:, :, None]
+        scores[..., first_masked:].masked_fill_(~is_candidate[:, None], NEG_INF)
+    return scores
 
 
 def exact_select(group_queries, summaries, limits, top_n, bounds=None):
@@ -97,14 +117,7 @@ def exact_select(group_queries, summaries, limits, top_n, bounds=None):
     if m == 0 or top_n == 0:
         empty = group_queries.new_zeros(*group_queries.shape[:3], top_n, dtype=torch.long)
         return empty, empty.bool()
-    scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
-    # Every query has its first limits.min() blocks as candidates: only the columns past them need
-    # masking, in place (a fresh matmul output, the largest tensor here).
-    first_masked = min(fewest, m)
-    if first_masked < m:
-        is_candidate = torch.arange(first_masked, m, device=scores.device)[None, None, :] < limits[:, :, None]
-        scores[..., first_masked:].masked_fill_(~is_candidate[:, None], NEG_INF)
-    top_scores, block_ids = scores.topk(min(top_n, m), dim=-1)
+    top_scores, block_ids = candidate_scores(group_queries, summaries, limits, (fewest, most)).topk(min(top_n, m), dim=-1)
     return pad_selection(block_ids, top_scores > NEG_INF, top_n)
 
 

@@ -130,3 +130,14 @@ def test_bench_serving(tmp_path):
     streams = [row for row in report["rows"] if row["kind"] == "concurrency"]
     assert [(row["streams"], row["tokens"]) for row in streams] == [(1, 4), (2, 8)]
     assert "ttft cached s" in out
+
+
+def test_bench_context_parallel(tmp_path):
+    json_path = tmp_path / "context_parallel.json"
+    run_script(["benchmarks/bench_context_parallel.py", "--length", "256", "--ranks", "1", "2", "--decode_steps", "2",
+                "--json", str(json_path)])
+    report = load_outputs(json_path)
+    assert [(row["world"], row["rank"]) for row in report["rows"]] == [(1, 0), (2, 0), (2, 1)]
+    assert all(row["prefill_s"] > 0 and row["decode_ms"] > 0 for row in report["rows"])
+    assert [row["bytes_per_token"] > 0 for row in report["rows"]] == [False, True, True]
+    assert [row["machines"] for row in report["plan"]] == [64, 256, 1024]
