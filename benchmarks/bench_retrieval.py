@@ -117,12 +117,12 @@ class RecordingCore:
     def __getattr__(self, name):
         return getattr(self.core, name)
 
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
         _, block_q = self.core.query_frames(q, rope)  # what retrieval scores: the blocks' frame
         block_k = self.core.stored_frame(k, rope)
         self.keys.append(block_k.detach().float())
         self.group_queries.append(selection_queries(block_q.detach().float(), self.kv_heads, self.core.summary))
-        return self.core(q, k, v, starts, ends, layer_cache, rope)
+        return self.core(q, k, v, starts, ends, layer_cache, rope, spans)
 
 
 @torch.inference_mode()

@@ -76,39 +76,18 @@ class QuerySpans(NamedTuple):
         return self.first[:, None] + offset + torch.arange(length, device=self.first.device)
 
 
-# The last host read of query_spans: (starts, ends, their versions, length, QuerySpans). Every layer
-# of one forward gets the same starts and ends tensors, so they share one read.
-_last_read = [None]
-
-
-def tensor_versions(*tensors):
-    """The in-place version counters of tensors (None for None), or None where one is an inference
-    tensor, which has no counter."""
-    if any(tensor is not None and tensor.is_inference() for tensor in tensors):
-        return None
-    return tuple(None if tensor is None else tensor._version for tensor in tensors)
-
-
 def query_spans(starts, ends, batch, length, device):
     """starts (b,) or None (a pass from position 0), ends (b,) or None (starts + length) -> QuerySpans.
 
-    One host read when starts or ends is given, none for a pass from position 0; a call with the
-    very tensors of the previous call, unchanged since, reuses its read (the layers of a forward).
+    One host read when starts or ends is given, none for a pass from position 0. The model makes
+    it once per forward and hands it to every layer.
     """
     first = torch.zeros(batch, dtype=torch.long, device=device) if starts is None else starts
     if starts is None and ends is None:
         return QuerySpans(first, first + length, (0,) * batch, (length,) * batch)
-    versions = tensor_versions(starts, ends)
-    last = _last_read[0]
-    if versions is not None and last is not None and last[0] is starts and last[1] is ends and last[2:4] == (versions, length):
-        return last[4]
-    given_ends = ends
     ends = first + length if ends is None else ends
     host_first, host_ends = torch.stack([first, ends.to(first.dtype)]).tolist()
-    spans = QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
-    if versions is not None:
-        _last_read[0] = (starts, given_ends, versions, length, spans)
-    return spans
+    return QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
 
 
 def candidate_limits(positions, ends, window, block_size):
@@ -431,7 +410,7 @@ class AnnAttention:
             return last_position < self.window
         return (last_position - self.window) // self.block_size + 1 <= self.top_n
 
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
         """q (b, h, s, d), k/v (b, g, s, d) of the new tokens, unrotated -> out (b, h, s, d).
 
         starts None: a causal pass over a whole sequence from position 0 without cache (training).
@@ -440,7 +419,7 @@ class AnnAttention:
         that blocks are scored and read in: unrotated when capped, rotated otherwise.
         """
         b, h, s, d = q.shape
-        spans = query_spans(starts, ends, b, s, q.device)
+        spans = query_spans(starts, ends, b, s, q.device) if spans is None else spans
         k = self.stored_frame(k, rope)
         if layer_cache is None:
             keys, values = k, v

@@ -4,12 +4,13 @@
 happens next, dense causal attention (model/dense_attention.py) or ANN attention
 (model/ann_attention.py). Both cores speak the same interface:
 
-    core(q, k, v, starts, ends, layer_cache, rope) -> out
+    core(q, k, v, starts, ends, layer_cache, rope, spans) -> out
         q: (b, h, s, d), k/v: (b, hkv, s, d) for the s new tokens, q and k not yet rotated;
         starts: None for a plain causal pass from position 0 without cache, else a (b,) tensor with
         the position of each sequence's first new token; ends: None, or (b,) the end of each
         row's real tokens (a padded prompt is shorter than s); layer_cache: the core's per-layer cache;
-        rope: the `Rope` of the new tokens' positions.
+        rope: the `Rope` of the new tokens' positions; spans: the `QuerySpans` of starts and ends
+        (model/ann_attention.py), read on the host once per forward by the model, or None.
 """
 
 import torch
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         self.num_shifted = max(config.key_shift, config.query_shift)
         self.core = build_attention_core(config)
 
-    def forward(self, x, rope, starts, ends, layer_cache):
+    def forward(self, x, rope, starts, ends, layer_cache, spans=None):
         b, s, _ = x.shape
         previous = previous_inputs(x, starts, ends, layer_cache, self.num_shifted) if self.num_shifted else None
         key_weights = [*rows(self.k_shift), *rows(self.k_shift_wide)]
@@ -53,7 +54,7 @@ class Attention(nn.Module):
         q = self.q_proj(query_input).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key_input).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = self.core(q, k, v, starts, ends, layer_cache, rope)
+        out = self.core(q, k, v, starts, ends, layer_cache, rope, spans)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

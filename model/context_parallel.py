@@ -215,7 +215,7 @@ class ShardedAttention:
     def new_layer_cache(self, reserve=0):
         return self.ann.new_layer_cache(reserve)
 
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
         """q (1, h, s, d), k/v (1, g, s, d) unrotated, of this rank's new tokens -> out (1, h, s, d).
 
         Prefill: the rank's own positions lo .. hi-1. Decoding: the same new token on every rank.

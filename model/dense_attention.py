@@ -42,8 +42,8 @@ class DenseAttention:
     def new_layer_cache(self, reserve=0):
         return KVBuffer(reserve)
 
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope):
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
         q, k = rope(q), rope(k)
         if layer_cache is not None:
-            k, v = layer_cache.append(k, v, starts)
+            k, v = layer_cache.append(k, v, starts, None if spans is None else spans.host_first)
         return dense_attention(q, k, v, starts)

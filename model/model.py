@@ -25,7 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # Older transformers releases (5.0 among them) copy only the model file's direct `from .x import`
 # modules out of a local trust_remote_code folder, so every module of the package is named here.
-from .ann_attention import AnnAttention  # noqa: F401
+from .ann_attention import AnnAttention, query_spans  # noqa: F401
 from .attention import Attention, split_old_key_shift
 from .config import MiniMindConfig
 from .context_parallel import ContextParallelLM  # noqa: F401
@@ -72,8 +72,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, starts, ends, layer_cache):
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope, starts, ends, layer_cache))
+    def forward(self, x, rope, starts, ends, layer_cache, spans=None):
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope, starts, ends, layer_cache, spans))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -213,8 +213,9 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
             ends = starts + (real_lengths if real_lengths is not None else s)
 
         rope = Rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        spans = query_spans(starts, ends, b, s, x.device)  # read once on the host, for every layer
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, rope, starts, ends, None if cache is None else cache.layers[index])
+            x = layer(x, rope, starts, ends, None if cache is None else cache.layers[index], spans)
         x = self.model.norm(x)
 
         if cache is not None:
