@@ -29,6 +29,22 @@ def check_device(device):
         raise UsageError(f"--device {device} requested but CUDA is not available")
 
 
+def add_run_arguments(parser):
+    """The evaluation programs' shared options: --threads, --device and --json."""
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+
+
+def apply_run_arguments(args):
+    """Check add_run_arguments' options (a UsageError when one is wrong) and set torch's threads."""
+    if args.threads is not None and args.threads <= 0:
+        raise UsageError(f"--threads must be positive, got {args.threads}")
+    check_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def resolve_load_path(load):
     """The saved model folder or checkpoint file that --load names (None: the default models)."""
     if load is None:

@@ -43,7 +43,7 @@ from transformers.utils import logging as transformers_logging
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
-from evaluation.loading import check_device, load_model, resolve_load_path
+from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
 from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
 from evaluation.trials import peak_rss_mb, run_trial
 from model.config import RETRIEVERS
@@ -166,9 +166,7 @@ def parse_args(argv=None):
                    help="longest prompt a dense model is asked (its cost grows with the square of the length)")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+    add_run_arguments(p)
     return p.parse_args(argv)
 
 
@@ -185,9 +183,6 @@ def validate_args(args):
         raise UsageError(f"--num_keys must lie in {low}..{high}, got {args.num_keys}")
     if args.prefill_chunk < 0 or args.dense_max_length <= 0:
         raise UsageError("--prefill_chunk must be >= 0 and --dense_max_length > 0")
-    if args.threads is not None and args.threads <= 0:
-        raise UsageError(f"--threads must be positive, got {args.threads}")
-    check_device(args.device)
 
 
 def check_lengths(tokenizer, args):
@@ -215,8 +210,7 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         validate_args(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        apply_run_arguments(args)
         corpus = read_corpus(args.data_dir)
         path = resolve_load_path(args.load)
         models, tokenizer = load_models(path, args)

@@ -43,7 +43,7 @@ from transformers.utils import logging as transformers_logging
 
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from evaluation.loading import check_device, load_model, resolve_load_path
+from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
 from evaluation.passkey import PASSKEY_TEXTS, build_prompt, digits_right, parse_answer, random_key
 from evaluation.trials import peak_rss_mb, run_trial
 from model.config import ATTN_IMPLS, RETRIEVERS
@@ -141,9 +141,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--max_new_tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seeds the keys")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+    add_run_arguments(p)
     return p.parse_args(argv)
 
 
@@ -156,9 +154,6 @@ def validate_args(args):
         raise UsageError(f"--trials must be positive, got {args.trials}")
     if args.prefill_chunk < 0 or args.max_new_tokens <= 0:
         raise UsageError("--prefill_chunk must be >= 0 and --max_new_tokens > 0")
-    if args.threads is not None and args.threads <= 0:
-        raise UsageError(f"--threads must be positive, got {args.threads}")
-    check_device(args.device)
 
 
 def trial_depths(args):
@@ -173,8 +168,7 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         validate_args(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        apply_run_arguments(args)
         path = resolve_load_path(args.load)
         model, tokenizer = load_model(path, args.attn, args.retrieval, torch.device(args.device))
         depths = trial_depths(args)

@@ -37,7 +37,7 @@ from transformers.utils import logging as transformers_logging
 
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from evaluation.loading import check_device, load_model, resolve_load_path
+from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
 
 BUCKET_EDGES = (0, 512, 4096, 16384, 65536)
 DEFAULT_TEXTS = "dataset/prose/prose_heldout_*.txt"
@@ -147,9 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--max_tokens", type=int, default=131072, help="tokens scored per text (its start)")
     p.add_argument("--dense_max_tokens", type=int, default=2048, help="tokens scored per text with the dense model")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per forward through the cache")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", default=None, help="write results here, and a plot to the same path with .png")
+    add_run_arguments(p)
     return p.parse_args(argv)
 
 
@@ -164,9 +162,6 @@ def validate_args(args):
     for name in ("max_tokens", "dense_max_tokens", "chunk"):
         if getattr(args, name) < 2:
             raise UsageError(f"--{name} must be >= 2, got {getattr(args, name)}")
-    if args.threads is not None and args.threads <= 0:
-        raise UsageError(f"--threads must be positive, got {args.threads}")
-    check_device(args.device)
 
 
 def score_texts(model, tokenizer, texts, max_tokens, chunk):
@@ -184,8 +179,7 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         validate_args(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        apply_run_arguments(args)
         device = torch.device(args.device)
         path = resolve_load_path(args.load)
         model, tokenizer = load_model(path, None, None, device)
