@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from dataset.chat_messages import conversation_problem, template_messages, tools_problem
+from dataset.chat_messages import conversation_problem, json_type, template_messages, tools_problem
 
 
 class ApiError(Exception):
@@ -41,11 +41,6 @@ class Generation:
     stops: list
     stream: bool
     include_usage: bool
-
-
-def json_type(value):
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number")
 
 
 def parse_body(raw):
