@@ -2,7 +2,7 @@
 # The main job in one command: install what is missing, make offline sample data unless real data
 # is present, pretrain, SFT, then chat on the preset prompts. ANN attention throughout.
 #
-#   bash run_all.sh            offline demo: tiny model, ~10 minutes on 2 CPU cores
+#   bash run_all.sh            offline demo: tiny model, ~11 minutes on 2 CPU cores
 #   REAL=1 bash run_all.sh     minimind's recipe: download the real data (modelscope), small model
 #                              (26M), full epochs; meant for a GPU (add GPUS=N for torchrun DDP)
 #
