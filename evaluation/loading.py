@@ -7,6 +7,7 @@ are all they may hold, so a crafted file cannot run code. Attention settings cha
 so the attention and retrieval of any model may be overridden at load time.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer
 from common.cli import UsageError
 from model.config import MiniMindConfig
 from model.model import MiniMindForCausalLM
-from trainer.checkpoints import list_checkpoints
+from trainer.checkpoints import TRAINING_ARGS_FILE, list_checkpoints
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TOKENIZER = REPO_ROOT / "model" / "tokenizer"
@@ -123,3 +124,14 @@ def load_model(path, attn, retrieval, device):
         raise UsageError(f"--load {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from None
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return model.to(device).eval(), tokenizer
+
+
+def training_seed(path):
+    """The seed the model at `path` (a model folder or a checkpoint) was trained with; None when
+    nothing records it (a folder saved by other code)."""
+    if path.is_dir():
+        args_path = path / TRAINING_ARGS_FILE
+        args = json.loads(args_path.read_text(encoding="utf-8")) if args_path.is_file() else {}
+    else:
+        args = read_checkpoint(path).get("args", {})
+    return args.get("seed")

@@ -18,8 +18,9 @@ the same weights; a dense model once, and only up to --dense_max_length.
 The prompt goes through the KV cache --prefill_chunk tokens at a time (evaluation/trials.py). A
 trial is right when the first integer of the greedy answer is the asked number (multivalue: when
 every number of the label is among the answer's integers).
---json PATH writes {"config", "rows", "trials"} (rows: task, lang, length, retrieval, seed,
-accuracy, trials, prefill_seconds, answer_seconds, peak_rss_mb) and PATH with .png: accuracy by
+--json PATH writes {"config", "rows", "trials"} (rows: task, lang, length, retrieval, seed (the
+model's training seed, from its training_args.json), needle_seed, accuracy, trials, prefill_seconds,
+answer_seconds, peak_rss_mb) and PATH with .png: accuracy by
 length and depth, one panel per task, language and retrieval.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
@@ -32,10 +33,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from transformers.utils import logging as transformers_logging
@@ -43,8 +40,9 @@ from transformers.utils import logging as transformers_logging
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
-from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
+from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
 from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
+from evaluation.reports import plot_needles
 from evaluation.trials import peak_rss_mb, run_trial
 from model.config import RETRIEVERS
 
@@ -59,9 +57,9 @@ def trial_rng(seed, task, lang, length, index):
     return random.Random(f"{seed}/{task}/{lang}/{length}/{index}")
 
 
-def evaluate(models, tokenizer, streams, args, depths):
+def evaluate(models, model_seed, tokenizer, streams, args, depths):
     """Each (length, task, lang, depth) prompt built once and answered by every model
-    ({retrieval or None: model}) -> (summary rows, trial rows)."""
+    ({retrieval or None: model}, the same weights trained with model_seed) -> (summary rows, trial rows)."""
     rows, trial_rows = [], []
     for length in args.lengths:
         for task in args.tasks:
@@ -83,7 +81,8 @@ def evaluate(models, tokenizer, streams, args, depths):
                               f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, answer {total_s - prefill_s:.2f}s",
                               flush=True)
                         trial = {"task": task, "lang": lang, "length": length, "retrieval": retrieval, "depth": depth,
-                                 "seed": args.seed, "values": list(needles.values), "answer": text,
+                                 "seed": model_seed, "needle_seed": args.seed, "values": list(needles.values),
+                                 "answer": text,
                                  "correct": correct, "prompt_tokens": len(ids), "heldout_tokens": span.heldout_tokens,
                                  "wrapped": span.wrapped, "prefill_seconds": round(prefill_s, 4),
                                  "answer_seconds": round(total_s - prefill_s, 4)}
@@ -99,7 +98,8 @@ def summary_row(trials, retrieval):
     first = trials[0]
     return {
         "task": first["task"], "lang": first["lang"], "length": first["length"], "retrieval": retrieval,
-        "seed": first["seed"], "accuracy": float(np.mean([trial["correct"] for trial in trials])), "trials": len(trials),
+        "seed": first["seed"], "needle_seed": first["needle_seed"],
+        "accuracy": float(np.mean([trial["correct"] for trial in trials])), "trials": len(trials),
         "prefill_seconds": round(float(np.mean([trial["prefill_seconds"] for trial in trials])), 4),
         "answer_seconds": round(float(np.mean([trial["answer_seconds"] for trial in trials])), 4),
         "heldout_fraction": round(sum(t["heldout_tokens"] for t in trials) / sum(t["prompt_tokens"] for t in trials), 4),
@@ -115,35 +115,6 @@ def print_table(rows):
         print(f"{row['task']:<10} {row['lang']:<4} {row['retrieval'] or 'dense':<9} {row['length']:>8} "
               f"{row['accuracy']:>9.2f} {row['trials']:>7} {row['prefill_seconds']:>10.2f} {row['answer_seconds']:>9.2f} "
               f"{row['heldout_fraction']:>9.2f} {row['peak_rss_mb']:>8.0f}")
-
-
-def plot(trial_rows, title, png_path):
-    """Accuracy by depth (rows) and length (columns): one heatmap per task, language and retrieval."""
-    panels = list(dict.fromkeys((t["task"], t["lang"], t["retrieval"]) for t in trial_rows))
-    lengths = sorted({t["length"] for t in trial_rows})
-    depths = sorted({t["depth"] for t in trial_rows})
-    columns = min(len(panels), 4)
-    rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), squeeze=False, layout="constrained")
-    for index, (ax, (task, lang, retrieval)) in enumerate(zip(axes.flat, panels)):
-        grid = np.full((len(depths), len(lengths)), np.nan)
-        for t in trial_rows:
-            if (t["task"], t["lang"], t["retrieval"]) == (task, lang, retrieval):
-                grid[depths.index(t["depth"]), lengths.index(t["length"])] = t["correct"]
-        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-        ax.set_xticks(range(len(lengths)), [f"{length // 1024}k" if length >= 1024 else str(length) for length in lengths])
-        ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
-        ax.set_title(f"{task}, {lang}, {retrieval or 'dense'}", fontsize=9)
-        if index // columns == rows - 1:
-            ax.set_xlabel("prompt length (tokens)", fontsize=8)
-        if index % columns == 0:
-            ax.set_ylabel("needle depth", fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.colorbar(image, ax=axes, label="accuracy", shrink=0.8)
-    fig.suptitle(title, fontsize=10)
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -225,7 +196,8 @@ def main(argv=None):
     num_parameters = sum(p.numel() for p in next(iter(models.values())).parameters())
     print(f"model: {path}, {num_parameters / 1e6:.2f}M parameters, {config.attn_impl} attention, "
           f"{torch.get_num_threads()} threads, prefill chunk {args.prefill_chunk or 'whole prompt'}")
-    rows, trial_rows = evaluate(models, tokenizer, streams, args, depths)
+    seed = training_seed(path)
+    rows, trial_rows = evaluate(models, seed, tokenizer, streams, args, depths)
     print_table(rows)
 
     if args.json:
@@ -236,12 +208,12 @@ def main(argv=None):
             "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n, "hnsw_m": config.hnsw_m,
             "hnsw_ef_search": config.hnsw_ef_search, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,
-            "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "seed": args.seed,
+            "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "needle_seed": args.seed, "model_seed": seed,
             "threads": torch.get_num_threads(), "device": args.device,
         }
         json_path.write_text(json.dumps({"config": run_config, "rows": rows, "trials": trial_rows}, indent=2,
                                         ensure_ascii=False) + "\n", encoding="utf-8")
-        plot(trial_rows, f"needles in held-out prose: {path}", json_path.with_suffix(".png"))
+        plot_needles(trial_rows, f"needles in held-out prose: {path}", json_path.with_suffix(".png"))
         print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
     return 0
 

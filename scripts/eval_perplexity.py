@@ -14,7 +14,8 @@ counted in its position bucket: 0-512, 512-4k, 4k-16k, 16k-64k, 64k+. Variants:
                  trained length: its positions beyond are untrained, and its cost is quadratic)
 A lower loss with retrieval than window_only on the buckets beyond the window is the evidence
 that retrieval uses far context.
---json PATH writes {"config", "rows"} (rows: model, variant, text, bucket, loss, tokens; text "all"
+--json PATH writes {"config", "rows"} (rows: model, seed (its training seed), variant, text, bucket,
+loss, tokens; text "all"
 sums every text) and PATH with .png: loss by position bucket per variant.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
@@ -27,17 +28,14 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging as transformers_logging
 
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
+from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
+from evaluation.reports import plot_losses
 
 BUCKET_EDGES = (0, 512, 4096, 16384, 65536)
 DEFAULT_TEXTS = "dataset/prose/prose_heldout_*.txt"
@@ -90,8 +88,9 @@ def window_only(model):
     return model
 
 
-def rows_for(name, variant, per_text):
-    """per_text: {text: (sums, counts)} -> rows per text and bucket, and rows summed over texts ("all")."""
+def rows_for(name, seed, variant, per_text):
+    """per_text: {text: (sums, counts)} -> rows per text and bucket, and rows summed over texts ("all"),
+    for the model `name` trained with `seed`."""
     rows = []
     totals = ([0.0] * len(BUCKETS), [0] * len(BUCKETS))
     for text, (sums, counts) in per_text.items():
@@ -99,11 +98,11 @@ def rows_for(name, variant, per_text):
             totals[0][index] += sums[index]
             totals[1][index] += counts[index]
             if counts[index]:
-                rows.append({"model": name, "variant": variant, "text": text, "bucket": bucket,
+                rows.append({"model": name, "seed": seed, "variant": variant, "text": text, "bucket": bucket,
                              "loss": round(sums[index] / counts[index], 5), "tokens": counts[index]})
     for index, bucket in enumerate(BUCKETS):
         if totals[1][index]:
-            rows.append({"model": name, "variant": variant, "text": "all", "bucket": bucket,
+            rows.append({"model": name, "seed": seed, "variant": variant, "text": "all", "bucket": bucket,
                          "loss": round(totals[0][index] / totals[1][index], 5), "tokens": totals[1][index]})
     return rows
 
@@ -117,26 +116,6 @@ def print_table(rows):
             if cells:
                 print(f"{variant:<12} {text[:28]:<28} " + " ".join(
                     f"{cells[b]['loss']:>6.3f} ({cells[b]['tokens']:>5})" if b in cells else f"{'':>14}" for b in BUCKETS))
-
-
-def plot(rows, title, png_path):
-    """Loss by position bucket, one line per variant, one panel per text."""
-    texts = list(dict.fromkeys(row["text"] for row in rows))
-    fig, axes = plt.subplots(1, len(texts), figsize=(4.2 * len(texts), 3.6), squeeze=False)
-    for ax, text in zip(axes[0], texts):
-        for variant in dict.fromkeys(row["variant"] for row in rows):
-            cells = [row for row in rows if row["variant"] == variant and row["text"] == text]
-            ax.plot([BUCKETS.index(row["bucket"]) for row in cells], [row["loss"] for row in cells], marker="o", label=variant)
-        ax.set_xticks(range(len(BUCKETS)), BUCKETS, rotation=30)
-        ax.set_xlabel("tokens before the predicted one")
-        ax.set_ylabel("held-out loss (nats/token)")
-        ax.set_title(text, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 def parse_args(argv=None):
@@ -193,11 +172,12 @@ def main(argv=None):
 
     print(f"model: {path} (window {model.config.ann_window}, top {model.config.ann_top_n}), "
           f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
-    rows = rows_for(str(path), "retrieval", score_texts(model, tokenizer, args.texts, args.max_tokens, args.chunk))
-    rows += rows_for(str(path), "window_only",
+    seed = training_seed(path)
+    rows = rows_for(str(path), seed, "retrieval", score_texts(model, tokenizer, args.texts, args.max_tokens, args.chunk))
+    rows += rows_for(str(path), seed, "window_only",
                      score_texts(window_only(model), tokenizer, args.texts, args.max_tokens, args.chunk))
     if dense is not None:
-        rows += rows_for(str(dense_path), "dense",
+        rows += rows_for(str(dense_path), training_seed(dense_path), "dense",
                          score_texts(dense, tokenizer, args.texts, args.dense_max_tokens, args.chunk))
     print_table(rows)
     if args.json:
@@ -207,7 +187,7 @@ def main(argv=None):
                       "max_tokens": args.max_tokens, "dense_max_tokens": args.dense_max_tokens, "chunk": args.chunk,
                       "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
         json_path.write_text(json.dumps({"config": run_config, "rows": rows}, indent=2) + "\n", encoding="utf-8")
-        plot(rows, f"held-out loss by position: {path}", json_path.with_suffix(".png"))
+        plot_losses(rows, f"held-out loss by position: {path}", json_path.with_suffix(".png"))
         print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
     return 0
 

@@ -16,9 +16,9 @@
 # same on any machine (a slower one takes longer). SAFETY_MINUTES only guards against a runaway
 # run; when it stops a model early the script says so, and that model is not the recipe's.
 #
-# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1300), WIDE_SHIFT_FROM (910, 70% of STEPS:
-# the step from which the two-token match trains), HIDDEN (256), LAYERS (6), WINDOW (32), TOP_N (4),
-# BATCH (8), SEQ_LEN (1024), LR (3e-3), SAFETY_MINUTES (180), THREADS (2), DATA_DIR
+# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1500), WIDE_SHIFT_FROM (1050, 70% of STEPS:
+# the step from which the two-token match trains), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4),
+# BATCH (8), SEQ_LEN (512), LR (1e-2), SAFETY_MINUTES (180), THREADS (2), DATA_DIR
 # (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose), EVAL_LENGTHS
 # ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
 set -euo pipefail
@@ -26,15 +26,15 @@ cd "$(dirname "$0")/.."
 
 ATTNS=${ATTNS:-"ann dense"}
 SEED=${SEED:-1}
-STEPS=${STEPS:-1300}
+STEPS=${STEPS:-1500}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-$((STEPS * 7 / 10))}
-HIDDEN=${HIDDEN:-256}
-LAYERS=${LAYERS:-6}
-WINDOW=${WINDOW:-32}
+HIDDEN=${HIDDEN:-128}
+LAYERS=${LAYERS:-4}
+WINDOW=${WINDOW:-16}
 TOP_N=${TOP_N:-4}
 BATCH=${BATCH:-8}
-SEQ_LEN=${SEQ_LEN:-1024}
-LR=${LR:-3e-3}
+SEQ_LEN=${SEQ_LEN:-512}
+LR=${LR:-1e-2}
 SAFETY_MINUTES=${SAFETY_MINUTES:-180}
 THREADS=${THREADS:-2}
 DATA_DIR=${DATA_DIR:-../shared/data}
@@ -64,7 +64,7 @@ train() {  # $1: ann | dense. Everything but the attention is identical in the t
         --num_hidden_layers "$LAYERS" --rope_theta 10000 --ann_window "$WINDOW" --ann_top_n "$TOP_N" \
         --key_shift 2 --query_shift 1 --wide_shift_from_step "$WIDE_SHIFT_FROM" --hnsw_ef_search 256 \
         --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
-        --warmup_steps 50 --epochs 100 --max_steps "$STEPS" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
+        --warmup_steps 30 --epochs 100 --max_steps "$STEPS" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
         --save_interval 250 > "$OUT/prose_$1.log" 2>&1 || { echo "training $1 failed, see $OUT/prose_$1.log" >&2; return 1; }
     last=$(tail -n 1 "$OUT/prose_$1/metrics.jsonl")
     step=$(python -c 'import json, sys; print(json.loads(sys.argv[1])["step"])' "$last")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from evaluation.loading import load_model
-from scripts import eval_needles, eval_perplexity, make_prose_data
+from scripts import collect_long_context, eval_needles, eval_perplexity, make_prose_data
 from tests.prose_corpus import write_corpus
 from trainer import train_pretrain
 
@@ -41,7 +41,7 @@ def trained(prose_dir, tmp_path_factory):
             "--num_key_value_heads", "2", "--rope_theta", "10000", "--ann_window", "16", "--ann_top_n", "2",
             "--key_shift", "2", "--query_shift", "1", "--wide_shift_from_step", "2", "--hnsw_ef_search", "48",
             "--max_seq_len", "128", "--batch_size", "4", "--accumulation_steps", "1", "--learning_rate", "3e-3",
-            "--max_steps", "4", "--log_interval", "1", "--save_interval", "100"]
+            "--max_steps", "4", "--log_interval", "1", "--save_interval", "100", "--seed", "7"]
     train_pretrain.main(train_pretrain.STAGE, argv)
     return out_dir / "model"
 
@@ -64,7 +64,8 @@ def test_eval_needles_writes_rows_per_task_and_retrieval(trained, corpus_dir, tm
                                   for lang in ("zh",) for length in (300,) for retrieval in ("exact", "hnsw"))
     for row in rows:
         group = [t for t in trials if all(t[k] == row[k] for k in ("task", "lang", "length", "retrieval"))]
-        assert row["trials"] == len(group) == 1 and row["seed"] == 0
+        assert row["trials"] == len(group) == 1 and row["needle_seed"] == 0
+        assert row["seed"] == json.loads((trained / "training_args.json").read_text())["seed"] == 7
         assert row["accuracy"] == group[0]["correct"]
         assert row["prefill_seconds"] > 0 and row["answer_seconds"] >= 0 and row["peak_rss_mb"] > 0
     for trial in trials:
@@ -125,7 +126,8 @@ def test_eval_perplexity_writes_every_variant(trained, prose_dir, tmp_path, caps
     rows = json.loads(json_path.read_text())["rows"]
     assert {row["variant"] for row in rows} == {"retrieval", "window_only", "dense"}
     for row in rows:
-        assert set(row) == {"model", "variant", "text", "bucket", "loss", "tokens"} and row["loss"] > 0
+        assert set(row) == {"model", "seed", "variant", "text", "bucket", "loss", "tokens"} and row["loss"] > 0
+        assert row["seed"] == 7
     cell = {(r["variant"], r["text"], r["bucket"]): r for r in rows}
     assert cell[("dense", "all", "0-512")]["tokens"] == 2 * 255 and ("dense", "all", "512-4k") not in cell
     # Nothing retrieved changes the loss once blocks lie beyond the window.
@@ -133,3 +135,55 @@ def test_eval_perplexity_writes_every_variant(trained, prose_dir, tmp_path, caps
     assert json_path.with_suffix(".png").read_bytes()[:8] == PNG
     assert eval_perplexity.main(["--load", str(trained), "--texts", str(tmp_path / "none.txt")]) == 2
     assert "file not found" in capsys.readouterr().err
+
+
+def rewrite_seed(path, seed, parts):
+    """A copy of a result file as if another seed's model had written it."""
+    result = json.loads(path.read_text())
+    for part in parts:
+        for row in result[part]:
+            row["seed"] = seed
+    copy = path.with_name(f"{path.stem}_seed{seed}.json")
+    copy.write_text(json.dumps(result))
+    return copy
+
+
+def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_path, capsys):
+    needles, losses = tmp_path / "needles.json", tmp_path / "perplexity.json"
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--tasks", "single",
+                              "--langs", "en", "--trials", "2", "--retrievals", "exact", "--json", str(needles)]) == 0
+    assert eval_perplexity.main(["--load", str(trained), "--dense", str(trained), "--max_tokens", "700",
+                                 "--dense_max_tokens", "256", "--chunk", "128", "--texts",
+                                 str(prose_dir / "prose_heldout_kjv.txt"), "--json", str(losses)]) == 0
+    out_dir = tmp_path / "collected"
+    assert collect_long_context.main(["--needles", str(needles), str(rewrite_seed(needles, 8, ["rows", "trials"])),
+                                      "--perplexity", str(losses), str(rewrite_seed(losses, 8, ["rows"])),
+                                      "--out_dir", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    collected = json.loads((out_dir / "needles.json").read_text())
+    assert [row["seed"] for row in collected["rows"]] == [7, 8] and len(collected["trials"]) == 4
+    assert [source["path"] for source in collected["sources"]] == [str(needles), str(needles.with_name("needles_seed8.json"))]
+    accuracy = collected["rows"][0]["accuracy"]
+    assert f"| single | en | exact | 300 | {accuracy:.2f} (2) | {accuracy:.2f} (2) |" in out
+    loss_rows = json.loads((out_dir / "perplexity.json").read_text())["rows"]
+    assert {row["seed"] for row in loss_rows} == {7, 8}
+    near = next(r for r in loss_rows if (r["seed"], r["variant"], r["bucket"], r["text"]) == (7, "retrieval", "0-512", "all"))
+    dense = next(r for r in loss_rows if (r["seed"], r["variant"], r["bucket"], r["text"]) == (7, "dense", "0-512", "all"))
+    assert f"seed 7: 0-512 loss, retrieval {near['loss']:.4f} vs dense {dense['loss']:.4f}" in out
+    for name in ("needles", "perplexity"):
+        assert (out_dir / f"{name}.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "file not found"),
+    ("{", "not JSON"),
+    ('{"rows": []}', "expected a JSON object with config, rows"),
+    ('{"config": {}, "rows": [{"model": "m", "variant": "retrieval"}]}', "row 0 has no seed"),
+], ids=["missing", "not-json", "no-config", "row-without-seed"])
+def test_collect_long_context_bad_input_exits_2(tmp_path, capsys, content, message):
+    path = tmp_path / "perplexity.json"
+    if content is not None:
+        path.write_text(content)
+    assert collect_long_context.main(["--perplexity", str(path), "--out_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and message in err

@@ -23,6 +23,7 @@ from trainer.distributed import from_rank_0, gather_from_all_ranks
 from trainer.metrics import truncate_metrics
 
 CHECKPOINT_KEYS = ("model", "config", "optimizer", "scaler", "state", "rng", "args")
+TRAINING_ARGS_FILE = "training_args.json"  # in a saved model folder: the trainer's arguments, as JSON
 
 
 @dataclass

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from common.cli import DTYPES, UsageError
 from common.cpu_memory import retain_freed_memory
 from model.model import MiniMindForCausalLM
-from trainer.checkpoints import Progress, prepare_out_dir, resume, save_training_state
+from trainer.checkpoints import TRAINING_ARGS_FILE, Progress, prepare_out_dir, resume, save_training_state
 from trainer.cli import build_config, parse_args, validate_args, validate_args_for_model
 from trainer.data import EpochPlan, batch_loader, load_dataset, trim_padding
 from trainer.distributed import all_ranks_sum, setup_distributed, teardown_distributed
@@ -126,7 +126,7 @@ def train(stage, args, config, rank, world_size, device):
         wandb_run.finish()
     if stop_reason:
         say(f"stopped early at step {progress.step}/{total_steps}: {stop_reason}; continue with --from_resume 1")
-    write_outputs(stage, raw_model, tokenizer, dataset, out_dir, last_checkpoint)
+    write_outputs(stage, raw_model, tokenizer, dataset, out_dir, last_checkpoint, args)
 
 
 def mixed_precision(dtype_name, device, say):
@@ -202,11 +202,13 @@ def agree_across_ranks(group_loss, group_tokens, out_of_time, world_size):
     return loss / world_size, int(tokens), stop > 0
 
 
-def write_outputs(stage, model, tokenizer, dataset, out_dir, last_checkpoint):
-    """Rank 0 at the end: the model folder and loss plot, then where everything is."""
+def write_outputs(stage, model, tokenizer, dataset, out_dir, last_checkpoint, args):
+    """Rank 0 at the end: the model folder (with the arguments that trained it, so an evaluation can
+    say which seed and recipe it measured) and loss plot, then where everything is."""
     model_dir, png_path, metrics_path = out_dir / "model", out_dir / "loss.png", out_dir / "metrics.jsonl"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    (model_dir / TRAINING_ARGS_FILE).write_text(json.dumps(vars(args), indent=2, default=str) + "\n", encoding="utf-8")
     if metrics_path.exists():
         plot_metrics(metrics_path, png_path, f"MiniMind {stage.name} ({model.config.attn_impl} attention)")
     print(f"dataset report: {json.dumps(dataset.report(), ensure_ascii=False)}")

@@ -1,0 +1,91 @@
+"""Figures and tables of the long-context results: needle accuracy and held-out loss by position.
+
+One evaluation run (scripts/eval_needles.py, scripts/eval_perplexity.py) draws its own rows; the
+collector (scripts/collect_long_context.py) draws the rows of several runs (seeds) together, each
+cell the mean over the seeds and trials it holds, so both figures read the same way.
+"""
+
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def length_label(length):
+    if length >= 1 << 20:
+        return f"{length >> 20}M"
+    return f"{length // 1024}k" if length >= 1024 else str(length)
+
+
+def plot_needles(trial_rows, title, png_path):
+    """Accuracy by depth (rows) and length (columns), one heatmap per task, language and retrieval;
+    a cell is the mean of the trials (of every seed) at that length and depth."""
+    panels = list(dict.fromkeys((t["task"], t["lang"], t["retrieval"]) for t in trial_rows))
+    lengths = sorted({t["length"] for t in trial_rows})
+    depths = sorted({round(t["depth"], 4) for t in trial_rows})
+    columns = min(len(panels), 4)
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), squeeze=False, layout="constrained")
+    for index, (ax, panel) in enumerate(zip(axes.flat, panels)):
+        cells = defaultdict(list)
+        for t in trial_rows:
+            if (t["task"], t["lang"], t["retrieval"]) == panel:
+                cells[depths.index(round(t["depth"], 4)), lengths.index(t["length"])].append(float(t["correct"]))
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for (row, column), values in cells.items():
+            grid[row, column] = np.mean(values)
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(lengths)), [length_label(length) for length in lengths])
+        ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
+        task, lang, retrieval = panel
+        ax.set_title(f"{task}, {lang}, {retrieval or 'dense'}", fontsize=9)
+        if index // columns == rows - 1:
+            ax.set_xlabel("prompt length (tokens)", fontsize=8)
+        if index % columns == 0:
+            ax.set_ylabel("needle depth", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes, label="accuracy", shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def loss_spread(rows):
+    """rows (model, seed, variant, text, bucket, loss, tokens) -> {(variant, text, bucket): (mean,
+    min, max, seeds)} of the per-seed losses, in the rows' order."""
+    losses = defaultdict(list)
+    for row in rows:
+        losses[row["variant"], row["text"], row["bucket"]].append(row["loss"])
+    return {key: (float(np.mean(values)), min(values), max(values), len(values)) for key, values in losses.items()}
+
+
+def plot_losses(rows, title, png_path):
+    """Held-out loss by position bucket, one line per variant (the mean over seeds, bars from the
+    lowest to the highest seed), one panel per text."""
+    spread = loss_spread(rows)
+    texts = list(dict.fromkeys(row["text"] for row in rows))
+    buckets = list(dict.fromkeys(row["bucket"] for row in rows))
+    fig, axes = plt.subplots(1, len(texts), figsize=(4.2 * len(texts), 3.6), squeeze=False)
+    for ax, text in zip(axes[0], texts):
+        for variant in dict.fromkeys(row["variant"] for row in rows):
+            cells = [(buckets.index(b), spread[v, t, b]) for (v, t, b) in spread if v == variant and t == text]
+            if not cells:
+                continue
+            x = [index for index, _ in cells]
+            mean = np.array([cell[0] for _, cell in cells])
+            low, high = mean - [cell[1] for _, cell in cells], [cell[2] for _, cell in cells] - mean
+            ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=variant)
+        ax.set_xticks(range(len(buckets)), buckets, rotation=30)
+        ax.set_xlabel("tokens before the predicted one")
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_title(text, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,150 @@
+"""Collect the long-context runs of several models (seeds) into the result files the docs cite.
+
+    python scripts/collect_long_context.py --needles out/seed*/prose_*/needles*.json \\
+        --perplexity out/seed*/prose_ann/perplexity.json --out_dir docs/long_context
+
+Reads the JSON files of scripts/eval_needles.py and scripts/eval_perplexity.py and writes
+OUT_DIR/needles.json ({"sources", "rows", "trials"}: every run's rows, each with its model's
+training seed) and OUT_DIR/perplexity.json ({"sources", "rows"}), each with its PNG (needles: a
+heatmap cell is the mean over seeds and trials; loss: the mean over seeds, bars from the lowest to
+the highest). Prints the tables as markdown: needle accuracy per task, language, retrieval and
+length with one column per seed; loss per variant and bucket over every text; and the two loss
+comparisons of docs/LONG_CONTEXT.md per seed (retrieval vs dense at 0-512, retrieval vs window
+only beyond 4k).
+Exit codes: 0 written, 2 a missing or malformed input file.
+"""
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.cli import OneLineParser, UsageError
+from evaluation.reports import length_label, loss_spread, plot_losses, plot_needles
+
+NEEDLE_KEYS = ("task", "lang", "length", "retrieval", "seed", "accuracy", "trials")
+LOSS_KEYS = ("model", "seed", "variant", "text", "bucket", "loss", "tokens")
+FAR_BUCKETS = ("4k-16k", "16k-64k", "64k+")
+
+
+def read_results(path, row_keys, parts):
+    """The JSON object in `path`, checked to hold `parts` and rows with every key in `row_keys`."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{path}: not JSON ({error})") from None
+    if not isinstance(result, dict) or any(part not in result for part in parts):
+        raise UsageError(f"{path}: expected a JSON object with {', '.join(parts)}")
+    for index, row in enumerate(result["rows"]):
+        missing = [key for key in row_keys if key not in row]
+        if missing:
+            raise UsageError(f"{path}: row {index} has no {', '.join(missing)}")
+    return result
+
+
+def collect(paths, row_keys, parts):
+    """{"sources": [{"path", "config"}], part: rows of every file, in order} for the parts besides config."""
+    collected = {"sources": [], **{part: [] for part in parts if part != "config"}}
+    for path in paths:
+        result = read_results(path, row_keys, parts)
+        collected["sources"].append({"path": str(path), "config": result["config"]})
+        for part in collected:
+            if part != "sources":
+                collected[part] += result[part]
+    return collected
+
+
+def needle_table(rows):
+    """Markdown: one line per task, language, retrieval and length; accuracy (trials) per seed."""
+    seeds = sorted({row["seed"] for row in rows}, key=str)
+    cells = defaultdict(dict)
+    for row in rows:
+        cells[row["task"], row["lang"], row["retrieval"] or "dense", row["length"]][row["seed"]] = row
+    lines = ["| task | lang | retrieval | length | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
+             "|---|---|---|---:|" + "---:|" * len(seeds)]
+    for (task, lang, retrieval, length), by_seed in sorted(cells.items(), key=lambda item: (item[0][:3], item[0][3])):
+        scores = [f"{by_seed[s]['accuracy']:.2f} ({by_seed[s]['trials']})" if s in by_seed else "" for s in seeds]
+        lines.append(f"| {task} | {lang} | {retrieval} | {length_label(length)} | " + " | ".join(scores) + " |")
+    return "\n".join(lines)
+
+
+def loss_table(rows):
+    """Markdown: the loss over every text ("all") per variant and bucket, mean (lowest-highest) over seeds."""
+    spread = {key: value for key, value in loss_spread(rows).items() if key[1] == "all"}
+    buckets = list(dict.fromkeys(bucket for _, _, bucket in spread))
+    lines = ["| variant | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+    for variant in dict.fromkeys(variant for variant, _, _ in spread):
+        cells = [spread.get((variant, "all", bucket)) for bucket in buckets]
+        lines.append(f"| {variant} | " + " | ".join(
+            "" if cell is None else f"{cell[0]:.3f}" + (f" ({cell[1]:.3f}-{cell[2]:.3f}, {cell[3]} seeds)" if cell[3] > 1 else "")
+            for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def comparisons(rows):
+    """Per seed: retrieval vs dense at 0-512 (relative) and retrieval minus window only beyond 4k
+    (token-weighted over the far buckets), over every text."""
+    by_key = {(row["seed"], row["variant"], row["bucket"]): row for row in rows if row["text"] == "all"}
+    dense = {row["bucket"]: row for row in rows if row["variant"] == "dense" and row["text"] == "all"}
+    lines = []
+    for seed in sorted({row["seed"] for row in rows if row["variant"] == "retrieval"}, key=str):
+        near = by_key.get((seed, "retrieval", "0-512"))
+        dense_near = by_key.get((seed, "dense", "0-512")) or dense.get("0-512")
+        if near and dense_near:
+            lines.append(f"seed {seed}: 0-512 loss, retrieval {near['loss']:.4f} vs dense {dense_near['loss']:.4f} "
+                         f"(seed {dense_near['seed']}): {100 * (near['loss'] / dense_near['loss'] - 1):+.2f}%")
+        far = [(by_key[seed, "retrieval", b], by_key[seed, "window_only", b]) for b in FAR_BUCKETS
+               if (seed, "retrieval", b) in by_key and (seed, "window_only", b) in by_key]
+        if far:
+            tokens = sum(with_blocks["tokens"] for with_blocks, _ in far)
+            difference = sum((with_blocks["loss"] - alone["loss"]) * with_blocks["tokens"] for with_blocks, alone in far) / tokens
+            lines.append(f"seed {seed}: beyond 4k ({tokens} tokens), retrieval minus window only: {difference:+.4f} nats/token")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description="Collect needle and held-out loss results of several runs")
+    p.add_argument("--needles", nargs="*", default=[], help="JSON files written by scripts/eval_needles.py")
+    p.add_argument("--perplexity", nargs="*", default=[], help="JSON files written by scripts/eval_perplexity.py")
+    p.add_argument("--out_dir", default="docs/long_context", help="where needles.json and perplexity.json go")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        if not args.needles and not args.perplexity:
+            raise UsageError("nothing to collect: pass --needles and/or --perplexity files")
+        needles = collect(args.needles, NEEDLE_KEYS, ("config", "rows", "trials")) if args.needles else None
+        losses = collect(args.perplexity, LOSS_KEYS, ("config", "rows")) if args.perplexity else None
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, result, draw, title in (
+        ("needles", needles, lambda r, path: plot_needles(r["trials"], "needles in held-out prose, every seed", path),
+         "needle accuracy"),
+        ("perplexity", losses, lambda r, path: plot_losses(r["rows"], "held-out loss by position, mean over seeds", path),
+         "held-out loss"),
+    ):
+        if result is None:
+            continue
+        json_path = out_dir / f"{name}.json"
+        json_path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        draw(result, json_path.with_suffix(".png"))
+        print(f"wrote {json_path} and {json_path.with_suffix('.png')} ({title}, {len(result['sources'])} runs)")
+    if needles:
+        print("\n" + needle_table(needles["rows"]))
+    if losses:
+        print("\n" + loss_table(losses["rows"]) + "\n\n" + comparisons(losses["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
