@@ -227,15 +227,11 @@ def block_table(keys, block_size):
     return keys[:, :, : m * block_size].reshape(b * g * m, row), m
 
 
-def gather_blocks(table, rows_per_head, block_ids, head_dim):
-    """table (b*g*M, B*d) from block_table, block_ids (b, g, T, n) -> (b, g, T, n*B, d): each
-    query's block keys. One index_select over the flat block table: far faster on CPU than
-    advanced indexing.
-    """
-    b, g, tile_len, _ = block_ids.shape
-    row_offsets = (torch.arange(b * g, device=table.device) * rows_per_head).view(b, g, 1, 1)
-    gathered = table.index_select(0, (block_ids + row_offsets).flatten())
-    return gathered.view(b, g, tile_len, -1, head_dim)
+def flat_block_rows(block_ids, rows_per_head):
+    """block_ids (b, g, T, n) -> (b*g*T*n,) rows of a block table (block_table) holding them."""
+    b, g = block_ids.shape[:2]
+    row_offsets = (torch.arange(b * g, device=block_ids.device) * rows_per_head).view(b, g, 1, 1)
+    return (block_ids + row_offsets).flatten()
 
 
 class BlockTables(NamedTuple):
@@ -248,13 +244,23 @@ class BlockTables(NamedTuple):
 
     def gather(self, block_ids, valid, positions, window):
         """block_ids/valid (b, g, T, n) selected for queries at positions (b, T) -> RetrievedBlocks."""
+        return self.gather_up_to(block_ids, valid, (positions - window)[:, None, :, None, None])
+
+    def gather_up_to(self, block_ids, valid, newest):
+        """block_ids/valid (b, g, T, n) -> RetrievedBlocks whose keys past `newest` are not visible.
+
+        newest: the last position each query reads from blocks (position - W), (b, 1, T, 1, 1) or
+        one host int for all. One index_select per table over the flat block rows: far faster on CPU
+        than advanced indexing.
+        """
+        b, g, tile_len, _ = block_ids.shape
         head_dim = self.keys.shape[1] // self.block_size
+        rows = flat_block_rows(block_ids, self.rows_per_head)
         key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=block_ids.device)
-        older_than_window = key_positions <= (positions - window)[:, None, :, None, None]
         return RetrievedBlocks(
-            gather_blocks(self.keys, self.rows_per_head, block_ids, head_dim),
-            gather_blocks(self.values, self.rows_per_head, block_ids, head_dim),
-            (valid[..., None] & older_than_window).flatten(-2),
+            self.keys.index_select(0, rows).view(b, g, tile_len, -1, head_dim),
+            self.values.index_select(0, rows).view(b, g, tile_len, -1, head_dim),
+            (valid[..., None] & (key_positions <= newest)).flatten(-2),
         )
 
 
@@ -300,23 +306,18 @@ def attend_tile(tile, slab, blocks, window):
     return out.view(q.shape) + block_weights @ blocks.values
 
 
-def attend_one(window_q, block_q, window_keys, window_values, far_keys, far_values, far_visible):
-    """One query per row over its W window keys and its far (retrieved) keys, under one softmax.
+def attend_one(q, keys, values, visible):
+    """One query per row over its attended keys, window and far ones alike, under one softmax.
 
-    window_q, block_q (b, h, 1, d), scaled, in the window and block frames; window_keys/values
-    (b, g, W, d); far_keys/values (b, g, F, d); far_visible (b, g, F) bool, or None when every far
-    key is visible -> (b, h, 1, d).
+    q (b, h, 1, d) scaled, in the keys' frame; keys/values (b, g, K, d); visible (b, g, K) bool, or
+    None when every key is visible -> (b, h, 1, d). The query heads of a KV group fold into SDPA's
+    query axis, so keys are never repeated per head.
     """
-    b, h, _, d = window_q.shape
-    g, window = window_keys.shape[1], window_keys.shape[2]
-    window_logits = window_q.reshape(b, g, h // g, d) @ window_keys.transpose(-1, -2)  # (b, g, r, W)
-    far_logits = block_q.reshape(b, g, h // g, d) @ far_keys.transpose(-1, -2)  # (b, g, r, F)
-    if far_visible is not None:
-        far_logits.masked_fill_(~far_visible[:, :, None], NEG_INF)
-    logits = torch.cat([window_logits, far_logits], dim=-1)
-    weights = logits.softmax(dim=-1, dtype=torch.promote_types(window_q.dtype, torch.float32)).to(window_q.dtype)
-    window_weights, far_weights = weights.split([window, far_logits.shape[-1]], dim=-1)
-    return (window_weights @ window_values + far_weights @ far_values).view(b, h, 1, d)
+    b, h, _, d = q.shape
+    g = keys.shape[1]
+    mask = None if visible is None else visible[:, :, None]
+    out = F.scaled_dot_product_attention(q.view(b, g, h // g, d), keys, values, attn_mask=mask, scale=1.0)
+    return out.view(b, h, 1, d)
 
 
 def window_band(num_queries, first_query, first_key, num_keys, window, device):
@@ -358,6 +359,50 @@ def far_positions(query_positions, window):
     return window + query_positions % window
 
 
+class WindowRing(NamedTuple):
+    """A decoding query's window, kept from step to step so that a step rotates one key, not W.
+
+    The positions end-W .. end-1 of every row, position p in slot p mod W: keys (b, g, W, d) in the
+    frame of capped retrieved keys for the queries of aligned chunk `chunk` (positions chunk*W ..
+    chunk*W + W-1; see AnnAttention.frame_cos_sin), values (b, g, W, d).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    end: int
+    chunk: int
+
+
+def fresh_ring(keys, values, position, cos, sin):
+    """keys (unrotated)/values (b, g, t, d) stored up to `position` >= W-1, cos/sin (1, 1, 2W, d) of
+    distances 0 .. 2W-1 -> WindowRing of the window of the query at `position`.
+
+    In that query's block frame the key at p sits at p - (chunk - 1) * W: offset+1 .. offset+W.
+    """
+    window = cos.shape[2] // 2
+    chunk, offset = divmod(position, window)
+    low, distances = position - window + 1, slice(offset + 1, offset + 1 + window)
+    rotated = apply_rope(keys[:, :, low : position + 1], cos[:, :, distances], sin[:, :, distances])
+    shift = low % window  # position low goes to slot low mod W
+    return WindowRing(rotated.roll(shift, 2), values[:, :, low : position + 1].roll(shift, 2), position + 1, chunk)
+
+
+def advanced_ring(ring, keys, values, position, cos, sin):
+    """WindowRing (or None) -> the WindowRing of the query at `position` (fresh_ring's arguments).
+
+    A ring that holds the window up to position-1 in the same chunk's frame takes the new key into
+    the slot of the one that left the window (in place); any other is made afresh.
+    """
+    window = cos.shape[2] // 2
+    chunk, offset = divmod(position, window)
+    if ring is None or ring.end != position or ring.chunk != chunk:
+        return fresh_ring(keys, values, position, cos, sin)
+    slot, distance = slice(offset, offset + 1), slice(window + offset, window + offset + 1)
+    ring.keys[:, :, slot] = apply_rope(keys[:, :, position : position + 1], cos[:, :, distance], sin[:, :, distance])
+    ring.values[:, :, slot] = values[:, :, position : position + 1]
+    return ring._replace(end=position + 1)
+
+
 class AnnLayerCache(KVBuffer):
     """KV buffer plus the block summaries and the retriever's state (e.g. HNSW graphs) of one layer."""
 
@@ -367,6 +412,15 @@ class AnnLayerCache(KVBuffer):
         self.block_size = block_size
         self.summary = summary
         self.summaries = None
+        self.ring = None  # WindowRing of the last decode step (capped positions), see decode_step
+
+    def write(self, k_new, v_new, starts, host_starts=None):
+        """KVBuffer.write; a write other than one token per row at the ring's end drops the ring
+        (it may have overwritten keys the ring holds)."""
+        host_starts = tuple(starts.tolist()) if host_starts is None else host_starts
+        if self.ring is not None and not (k_new.shape[2] == 1 and set(host_starts) == {self.ring.end}):
+            self.ring = None
+        return super().write(k_new, v_new, starts, host_starts)
 
     def update_summaries(self, first_position, end_position):
         """Recompute the summaries of every block that the last write touched.
@@ -395,7 +449,7 @@ class AnnAttention:
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.config = config
-        self.far_table = None  # (rope settings, cos, sin) of the W capped distances, for decode_step
+        self.frame_table = None  # (rope settings, cos, sin) of the block frame's distances, for decode_step
 
     def new_layer_cache(self, reserve=0):
         return AnnLayerCache(build_retriever(self.config), reserve, self.block_size, self.summary)
@@ -447,48 +501,68 @@ class AnnAttention:
                 far = far_mask(block_ids, valid, s, self.window, self.block_size)
             return self.masked_sdpa(window_q, keys[:, :, :s], values[:, :, :s], far, rope)
         if layer_cache is not None and decodes_one_position(spans, s):
-            return self.decode_step(q, keys, values, spans, retriever, summaries, rope)
+            return self.decode_step(q, keys, values, spans, layer_cache, summaries, rope)
         return self.tiled(q, keys, values, spans, retriever, summaries, rope)
 
-    def decode_step(self, q, keys, values, spans, retriever, summaries, rope):
+    def decode_step(self, q, keys, values, spans, layer_cache, summaries, rope):
         """One new query per row, every row at the same position t >= W (decodes_one_position, not
         is_dense): what the tiled path computes for it, without tiles, slabs or chunk padding, and
         without selection when top_n covers every candidate block (then the far keys are exactly
         positions 0 .. t-W, whatever order a selection would list them in).
 
+        Everything is scored in the block frame, window keys included: capped, the window keys are
+        the layer cache's WindowRing, rotated into it, so a step rotates its own key only. The window
+        and the far keys then meet in one SDPA call.
+
         q (b, h, 1, d) unrotated, keys/values (b, g, t+1, d) everything stored, summaries (b, g, m, e)
         -> out (b, h, 1, d).
         """
-        d = q.shape[-1]
-        window, position = self.window, spans.host_first[0]
-        q = q * (1.0 / math.sqrt(d))
-        window_q = rope(q)
-        block_q = apply_rope(q, *self.far_cos_sin(rope, position, q.device)) if self.capped else window_q
-        low, last_far = position - window + 1, position - window
-        window_keys, window_values = keys[:, :, low : position + 1], values[:, :, low : position + 1]
-        if self.capped:
-            window_keys = rope.at(window_keys, torch.arange(low, position + 1, device=q.device)[None])
+        position = spans.host_first[0]
+        q = q * (1.0 / math.sqrt(q.shape[-1]))
+        q, window_keys, window_values = self.decode_window(q, keys, values, position, layer_cache, rope)
+        far_keys, far_values, far_visible = self.decode_far(q, keys, values, position, layer_cache, summaries)
+        visible = None if far_visible is None else F.pad(far_visible, (self.window, 0), value=True)
+        return attend_one(q, torch.cat([window_keys, far_keys], 2), torch.cat([window_values, far_values], 2), visible)
+
+    def decode_window(self, q, keys, values, position, layer_cache, rope):
+        """Scaled unrotated q (b, h, 1, d) at `position` -> (q in the block frame, its W window keys
+        in that frame, their values), keys/values (b, g, W, d). Capped, the window is the layer
+        cache's WindowRing, advanced by this step's key; else a slice of the stored (rotated) keys."""
+        window = self.window
+        if not self.capped:
+            low = position - window + 1
+            return rope(q), keys[:, :, low : position + 1], values[:, :, low : position + 1]
+        cos, sin = self.frame_cos_sin(rope, q.device)
+        distance = slice(window + position % window, window + position % window + 1)
+        layer_cache.ring = advanced_ring(layer_cache.ring, keys, values, position, cos, sin)
+        return apply_rope(q, cos[:, :, distance], sin[:, :, distance]), layer_cache.ring.keys, layer_cache.ring.values
+
+    def decode_far(self, q, keys, values, position, layer_cache, summaries):
+        """q (b, h, 1, d) in the block frame -> far keys, values (b, g, F, d) and visible (b, g, F)
+        bool, or None when every far key is visible: positions 0 .. t-W when top_n covers every
+        candidate block, else the top_n blocks that layer_cache.retriever selects."""
+        last_far = position - self.window
         candidates = last_far // self.block_size + 1
         if candidates <= self.top_n:
-            far = (keys[:, :, : last_far + 1], values[:, :, : last_far + 1], None)
-        else:
-            limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)
-            with torch.no_grad():
-                selecting = selection_queries(block_q.detach(), self.kv_heads, self.summary)
-                block_ids, valid = retriever.select(selecting, summaries, limits, self.top_n, (candidates, candidates))
-            blocks = block_tables(keys, values, self.block_size).gather(block_ids, valid, spans.positions(0, 1), window)
-            far = (blocks.keys[:, :, 0], blocks.values[:, :, 0], blocks.visible[:, :, 0])
-        return attend_one(window_q, block_q, window_keys, window_values, *far)
+            return keys[:, :, : last_far + 1], values[:, :, : last_far + 1], None
+        limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)
+        with torch.no_grad():
+            selecting = selection_queries(q.detach(), self.kv_heads, self.summary)
+            block_ids, valid = layer_cache.retriever.select(
+                selecting, summaries, limits, self.top_n, (candidates, candidates)
+            )
+        blocks = block_tables(keys, values, self.block_size).gather_up_to(block_ids, valid, last_far)
+        return blocks.keys[:, :, 0], blocks.values[:, :, 0], blocks.visible[:, :, 0]
 
-    def far_cos_sin(self, rope, position, device):
-        """cos, sin (1, 1, 1, d) that put a query at `position` in the frame of capped retrieved keys:
-        far_rope's rotation, from a table of the W distances it takes, made once per settings."""
+    def frame_cos_sin(self, rope, device):
+        """cos, sin (1, 1, 2W, d) of the distances 0 .. 2W-1, made once per rope settings: in the frame
+        of capped retrieved keys, a query at t sits at W + t mod W (far_positions) and its window
+        keys within 1 .. 2W-1 (fresh_ring)."""
         settings = (rope.head_dim, rope.theta, rope.dtype, device)
-        if self.far_table is None or self.far_table[0] != settings:
-            distances = torch.arange(self.window, 2 * self.window, device=device)[None]
-            self.far_table = (settings, *rope_cos_sin(distances, rope.head_dim, rope.theta, rope.dtype))
-        index = position % self.window
-        return self.far_table[1][:, :, index : index + 1], self.far_table[2][:, :, index : index + 1]
+        if self.frame_table is None or self.frame_table[0] != settings:
+            distances = torch.arange(2 * self.window, device=device)[None]
+            self.frame_table = (settings, *rope_cos_sin(distances, rope.head_dim, rope.theta, rope.dtype))
+        return self.frame_table[1:]
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its

@@ -281,6 +281,30 @@ def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks, bloc
     torch.testing.assert_close(torch.cat(outputs, dim=2), full, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+def test_decoding_after_rewriting_cached_keys_equals_a_full_pass(block_position):
+    """Decoding keeps its window keys from step to step (WindowRing): after the last ten cached
+    positions are written again in one call, the next step, at the position the kept window
+    ends, must read the new keys."""
+    first, size = 40, 10
+    core = make_core(4, 2, 16, 8, 2, block_position=block_position)
+    old, new = random_qkv(1, 4, 2, 60, seed=1), random_qkv(1, 4, 2, 60, seed=2)
+    rewritten = [torch.cat([a[:, :, :first], b[:, :, first:]], dim=2).detach() for a, b in zip(old, new)]
+    cache = core.new_layer_cache()
+    begin = torch.zeros(1, dtype=torch.long)
+    run(core, *(x[:, :, :30].detach() for x in old), begin, begin + 30, cache)
+    for position in range(30, first + size):
+        starts = torch.full((1,), position)
+        run(core, *(x[:, :, position : position + 1].detach() for x in old), starts, starts + 1, cache)
+    starts = torch.full((1,), first)
+    outputs = [run(core, *(x[:, :, first : first + size] for x in rewritten), starts, starts + size, cache)]
+    for position in range(first + size, 60):
+        starts = torch.full((1,), position)
+        outputs.append(run(core, *(x[:, :, position : position + 1] for x in rewritten), starts, starts + 1, cache))
+    expected = run(core, *rewritten)[:, :, first:]
+    torch.testing.assert_close(torch.cat(outputs, dim=2), expected, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("top_n", [3, 10_000])
 @pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
 def test_rows_at_different_positions_equal_their_own_full_pass(monkeypatch, retrieval, top_n):
