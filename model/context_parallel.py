@@ -26,6 +26,12 @@ each), then the ranks take turns: the owner of a tile of queries broadcasts them
 answers with its partial and the sum is reduced onto the owner. Decode: every rank runs the new
 token (the layers are replicated; only attention is sharded), its key and value land on the last
 rank, and every rank answers with its partial (all_reduce). Only exact retrieval is sharded.
+Training (ContextParallelLM.train_step): each rank all_gathers every rank's queries (one tile per
+layer), answers them all with its partials and the all_reduce-sum merge, and keeps its own
+positions; the backward runs through the same partials. The collectives that carry gradients are
+autograd Functions with the adjoint collective (all_gather -> all_reduce-sum of the gathered
+gradient, then this rank's slice; all_reduce-sum -> all_reduce-sum); the selection, the max of the
+log-sum-exp rule and the summaries carry none (the merged output does not depend on the max).
 """
 
 import math
@@ -40,6 +46,7 @@ from .retrieval import candidate_count, candidate_scores, selection_queries
 from .rope import Rope
 
 NEG_INF = float("-inf")
+IGNORE = -100  # cross-entropy target of a position with no next token
 PREFILL_TILE = 512  # queries per broadcast during prefill: fewer collectives, O(T * (W + n*B)) memory
 
 
@@ -60,6 +67,7 @@ class ShardGroup:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.bytes_sent = 0
         self.messages = 0
+        self.outputs = []  # differentiable collectives' outputs since the last backward (see differentiable)
 
     def run(self, name, operation, tensor):
         if self.size == 1:
@@ -75,9 +83,31 @@ class ShardGroup:
             ) from error
 
     def all_gather(self, tensor):
-        """tensor (same shape on every rank) -> (N, *shape): every rank's, in rank order."""
+        """tensor (same shape on every rank) -> (N, *shape): every rank's, in rank order (differentiable)."""
         if self.size == 1:
             return tensor[None]
+        return self.kept(AllGather.apply(self, self.differentiable(tensor)))
+
+    def all_reduce(self, tensor, op):
+        """A SUM with gradients enabled is differentiable (a new tensor); otherwise in place."""
+        if op == dist.ReduceOp.SUM and torch.is_grad_enabled() and self.size > 1:
+            return self.kept(AllReduceSum.apply(self, self.differentiable(tensor)))
+        return self.all_reduce_in_place(tensor, op)
+
+    def differentiable(self, tensor):
+        """Every rank must run every collective's backward, in the same order: autograd runs a node
+        only when an input needs a gradient and an output reaches a root, so a rank whose input needs
+        none gets a leaf that does, and every output is kept (outputs) to be fed a zero gradient."""
+        if torch.is_grad_enabled() and not tensor.requires_grad:
+            tensor = tensor.detach().requires_grad_()
+        return tensor
+
+    def kept(self, out):
+        if out.requires_grad:
+            self.outputs.append(out)
+        return out
+
+    def raw_all_gather(self, tensor):
         out = tensor.new_empty(self.size * tensor.shape[0], *tensor.shape[1:])
         self.run("all_gather", lambda: dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group), tensor)
         return out.view(self.size, *tensor.shape)
@@ -87,7 +117,7 @@ class ShardGroup:
         self.run("broadcast", lambda: dist.broadcast(tensor, dist.get_global_rank(self.group, src), group=self.group), tensor)
         return tensor
 
-    def all_reduce(self, tensor, op):
+    def all_reduce_in_place(self, tensor, op):
         self.run("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=self.group), tensor)
         return tensor
 
@@ -95,6 +125,32 @@ class ShardGroup:
         """Summed in place onto rank dst (other ranks' tensors are left unspecified)."""
         self.run("reduce", lambda: dist.reduce(tensor, dist.get_global_rank(self.group, dst), group=self.group), tensor)
         return tensor
+
+
+class AllGather(torch.autograd.Function):
+    """(shape) -> (N, *shape); backward: the all_reduce-sum of the gathered gradient, this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, group, tensor):
+        ctx.group = group
+        return group.raw_all_gather(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.group.all_reduce_in_place(grad.contiguous().clone(), dist.ReduceOp.SUM)[ctx.group.rank]
+
+
+class AllReduceSum(torch.autograd.Function):
+    """The sum over ranks, on every rank; backward: the all_reduce-sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, group, tensor):
+        ctx.group = group
+        return group.all_reduce_in_place(tensor.clone(), dist.ReduceOp.SUM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.group.all_reduce_in_place(grad.contiguous().clone(), dist.ReduceOp.SUM)
 
 
 def join_group(rank, world_size, init_method, timeout_s=60.0, backend="gloo"):
@@ -126,6 +182,7 @@ class Shards:
         self.bounds = list(bounds)
         self.block_size = block_size
         self.decoding = False
+        self.training = False
 
     def lo(self, rank):
         return self.bounds[rank]
@@ -171,7 +228,7 @@ def merge_partials(group, partial, dst):
 
     dst: the rank that receives the result, or None for every rank.
     """
-    top = group.all_reduce(partial.top.clone(), dist.ReduceOp.MAX)
+    top = group.all_reduce(partial.top.detach().clone(), dist.ReduceOp.MAX)  # the output does not depend on it
     scale = torch.where(torch.isinf(partial.top), torch.zeros_like(top), torch.exp(partial.top - top))
     packed = torch.cat([(partial.total * scale)[..., None], partial.weighted * scale[..., None]], dim=-1)
     packed = group.all_reduce(packed, dist.ReduceOp.SUM) if dst is None else group.reduce(packed, dst)
@@ -230,7 +287,10 @@ class ShardedAttention:
             return self.attend(q, rope.positions, layer_cache, rope, None)
         halo_k, halo_v = self.halo(k, v)
         layer_cache.write(torch.cat([halo_k, k], dim=2), torch.cat([halo_v, v], dim=2), torch.zeros(1, dtype=torch.long))
-        layer_cache.update_summaries(0, self.shards.hi(rank) - self.shards.base(rank))
+        with torch.no_grad():  # summaries only rank blocks: the selection carries no gradient
+            layer_cache.update_summaries(0, self.shards.hi(rank) - self.shards.base(rank))
+        if self.shards.training:
+            return self.answer_everyone(q, layer_cache, rope)
         outputs = []
         for src in range(self.group.size):
             lo, hi = self.shards.lo(src), self.shards.hi(src)
@@ -243,6 +303,19 @@ class ShardedAttention:
                 if src == rank:
                     outputs.append(out)
         return torch.cat(outputs, dim=2) if outputs else q
+
+    def answer_everyone(self, q, layer_cache, rope):
+        """Training: q (1, h, s, d) unrotated, of this rank's positions -> out (1, h, s, d).
+
+        Every rank's queries (1, h, T, d) are gathered and answered in one tile, so that every rank
+        runs the same collectives and each of them stays in every rank's autograd graph.
+        """
+        shards, rank = self.shards, self.group.rank
+        lengths = [shards.hi(src) - shards.lo(src) for src in range(self.group.size)]
+        gathered = self.group.all_gather(torch.nn.functional.pad(q, (0, 0, 0, max(lengths) - q.shape[2])))
+        everyone = torch.cat([gathered[src][:, :, :length] for src, length in enumerate(lengths)], dim=2)
+        out = self.attend(everyone, torch.arange(everyone.shape[2])[None], layer_cache, rope, None)
+        return out[:, :, shards.lo(rank) : shards.hi(rank)]
 
     def halo(self, k, v):
         """The stored keys and values of positions base .. lo-1 (a block begun on earlier ranks), (1, g, <B, d)."""
@@ -369,16 +442,65 @@ class ContextParallelLM:
 
     def prefill(self, local_ids):
         """local_ids (1, hi - lo) of this rank's positions -> logits (1, hi - lo, vocab)."""
+        self.check_length(local_ids)
+        with torch.no_grad():  # inference: the reduce onto each tile's owner carries no gradient
+            return self.run_layers(local_ids, self.shards.lo(self.group.rank))
+
+    def check_length(self, local_ids):
         rank = self.group.rank
         if local_ids.shape[1] != self.shards.hi(rank) - self.shards.lo(rank):
             raise ValueError(f"rank {rank} holds {self.shards.hi(rank) - self.shards.lo(rank)} positions, got {local_ids.shape[1]} ids")
-        return self.run_layers(local_ids, self.shards.lo(rank))
+
+    def train_step(self, local_ids):
+        """local_ids (1, hi - lo) of this rank's positions -> the whole sequence's mean next-token loss
+        (float, the same on every rank). Sets every parameter's .grad to the whole sequence's gradient,
+        the same on every rank (the model's caches are rebuilt: prefill again before decoding)."""
+        group = self.group
+        self.check_length(local_ids)
+        self.model.zero_grad(set_to_none=True)
+        self.caches = [core.new_layer_cache() for core in self.cores]
+        self.shards.training = True
+        try:
+            logits = self.run_layers(local_ids, self.shards.lo(group.rank))
+        finally:
+            self.shards.training = False
+        targets = self.targets(local_ids)
+        loss_sum = torch.nn.functional.cross_entropy(logits[0].float(), targets, ignore_index=IGNORE, reduction="sum")
+        with torch.no_grad():
+            totals = group.all_reduce(torch.stack([loss_sum.double(), (targets != IGNORE).sum().double()]), dist.ReduceOp.SUM)
+        # Each rank holds a copy of the mean loss; backpropagating every copy would count it N times,
+        # so each rank backpropagates its own positions' share and the gradients are summed (as DDP does).
+        outputs, group.outputs = group.outputs, []
+        roots = [loss_sum / totals[1].to(loss_sum.dtype), *outputs]
+        torch.autograd.backward(roots, [torch.ones_like(roots[0]), *map(torch.zeros_like, outputs)])
+        self.sum_gradients()
+        return float(totals[0] / totals[1])
+
+    def targets(self, local_ids):
+        """local_ids (1, s) -> (s,) each position's next token: the last one's is the first token of the
+        next rank holding any (IGNORE at the sequence's end; one all_gather of every rank's first id)."""
+        with torch.no_grad():
+            firsts = self.group.all_gather(local_ids[0, :1] if local_ids.shape[1] else torch.full((1,), IGNORE))
+        later = [int(token) for token in firsts.flatten()[self.group.rank + 1 :] if token != IGNORE]
+        if not local_ids.shape[1]:
+            return local_ids[0]
+        return torch.cat([local_ids[0, 1:], torch.tensor([later[0] if later else IGNORE])])
+
+    def sum_gradients(self):
+        """Every parameter's .grad becomes the sum over ranks (one all_reduce of them all, flattened)."""
+        parameters = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+        with torch.no_grad():
+            flat = self.group.all_reduce(torch.cat([grad.flatten() for grad in grads]), dist.ReduceOp.SUM)
+        for parameter, summed in zip(parameters, flat.split([p.numel() for p in parameters])):
+            parameter.grad = summed.view_as(parameter).clone()
 
     def decode(self, token):
         """token (1, 1), the same on every rank -> logits (1, 1, vocab), the same on every rank."""
         self.shards.decoding = True
         self.shards.grow(1)
-        return self.run_layers(token, self.shards.hi(self.group.size - 1) - 1)
+        with torch.no_grad():
+            return self.run_layers(token, self.shards.hi(self.group.size - 1) - 1)
 
     def run_layers(self, ids, first_position):
         model, config = self.model, self.model.config

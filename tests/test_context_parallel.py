@@ -50,16 +50,39 @@ def wait_all(processes, timeout):
     return codes
 
 
+def failed_cases(out_dir, world, passes):
+    """["rank R case {result}"] of every case in the ranks' rank{R}.json for which passes(result) is false."""
+    return [f"rank {rank} {name} {result}" for rank in range(world)
+            for name, result in json.loads((out_dir / f"rank{rank}.json").read_text()).items() if not passes(result)]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda world: f"{world}_ranks")
 def test_sharded_prefill_and_decode_match_one_process(world, tmp_path):
     codes = wait_all(launch(world, "check", tmp_path, worker.references(world)), LAUNCH_TIMEOUT_S)
     assert codes == [0] * world, f"exit codes {codes} (None: killed at the {LAUNCH_TIMEOUT_S} s deadline)"
-    failures = []
-    for rank in range(world):
-        for name, result in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
-            if not (result["prefill_diff"] <= TOLERANCE and result["decode_diff"] <= TOLERANCE and result["same_tokens"]):
-                failures.append(f"rank {rank} {name} {result}")
+    failures = failed_cases(tmp_path, world, lambda result: result["prefill_diff"] <= TOLERANCE
+                            and result["decode_diff"] <= TOLERANCE and result["same_tokens"])
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], ids=lambda world: f"{world}_ranks")
+def test_sharded_training_step_matches_one_process_loss_and_gradients(world, tmp_path):
+    """Relative differences: |loss - ref| / |ref|, and per parameter max |g - g_ref| / max(max |g_ref|,
+    worker.GRAD_FLOOR), the largest over parameters; every rank against the same reference."""
+    codes = wait_all(launch(world, "train", tmp_path, worker.train_references(world)), LAUNCH_TIMEOUT_S)
+    assert codes == [0] * world, f"exit codes {codes} (None: killed at the {LAUNCH_TIMEOUT_S} s deadline)"
+    failures = failed_cases(tmp_path, world, lambda result: result["loss_diff"] <= TOLERANCE and result["grad_diff"] <= TOLERANCE)
+    assert not failures, "\n".join(failures)
+
+
+def test_retrieval_changes_the_training_gradients_beyond_the_tolerance():
+    """The training cases exercise retrieval: a sharded step that lost the selected blocks on some
+    rank (or merged them wrongly) would miss the reference by far more than TOLERANCE."""
+    ids = worker.prompt(37)
+    loss, grads = worker.train_reference(ids)
+    window_only_loss, window_only_grads = worker.train_reference(ids, ann_top_n=0)
+    assert worker.gradient_difference(window_only_grads, grads) > 1000 * TOLERANCE
+    assert abs(window_only_loss - loss) / abs(loss) > 10 * TOLERANCE
 
 
 @pytest.mark.parametrize("mode", ["die", "hang"], ids=["a_rank_dies", "a_rank_hangs"])
