@@ -5,7 +5,8 @@
 # training mix of prose chunks and needle documents over training prose), trains one model with
 # ANN attention (out/prose_ann) and, as the control, the same model with dense attention
 # (out/prose_dense), each alone on every core, then evaluates both: needles in held-out prose
-# (scripts/eval_needles.py) and held-out loss by position (scripts/eval_perplexity.py).
+# (scripts/eval_needles.py) and held-out loss by position (scripts/eval_perplexity.py), and collects
+# their results in $OUT/results (scripts/collect_long_context.py).
 #
 #   bash scripts/train_prose_long_context.sh                      # ANN model, then the dense control
 #   ATTNS=ann SEED=2 bash scripts/train_prose_long_context.sh      # another seed of the ANN model
@@ -94,3 +95,6 @@ if [[ " $ATTNS " == *" ann "* ]]; then
         --texts "$PROSE"/prose_heldout_*.txt --max_tokens "$PPL_TOKENS" --threads "$THREADS" \
         --json "$OUT/prose_ann/perplexity.json"
 fi
+echo "== every result of this run together =="
+python scripts/collect_long_context.py --needles "$OUT"/prose_*/needles.json \
+    $([ -f "$OUT/prose_ann/perplexity.json" ] && echo --perplexity "$OUT/prose_ann/perplexity.json") --out_dir "$OUT/results"
