@@ -10,7 +10,7 @@ heatmap cell is the mean over seeds and trials; loss: the mean over seeds, bars 
 the highest). Prints the tables as markdown: needle accuracy per task, language, retrieval and
 length with one column per seed; loss per variant and bucket over every text; and the two loss
 comparisons of docs/LONG_CONTEXT.md per seed (retrieval vs dense at 0-512, retrieval vs window
-only beyond 4k).
+only beyond 4k, retrieval vs recent context beyond 16k).
 Exit codes: 0 written, 2 a missing or malformed input file.
 """
 
@@ -28,6 +28,7 @@ from evaluation.reports import length_label, loss_spread, plot_losses, plot_need
 NEEDLE_KEYS = ("task", "lang", "length", "retrieval", "seed", "accuracy", "trials")
 LOSS_KEYS = ("model", "seed", "variant", "text", "bucket", "loss", "tokens")
 FAR_BUCKETS = ("4k-16k", "16k-64k", "64k+")
+FARTHEST_BUCKETS = ("16k-64k", "64k+")  # past what recent_context reads (eval_perplexity --recent_context 4096, --chunk 4096)
 
 
 def read_results(path, row_keys, parts):
@@ -87,8 +88,8 @@ def loss_table(rows):
 
 
 def comparisons(rows):
-    """Per seed: retrieval vs dense at 0-512 (relative) and retrieval minus window only beyond 4k
-    (token-weighted over the far buckets), over every text."""
+    """Per seed: retrieval vs dense at 0-512 (relative), retrieval minus window only beyond 4k and
+    retrieval minus recent context beyond 16k (token-weighted over those buckets), over every text."""
     by_key = {(row["seed"], row["variant"], row["bucket"]): row for row in rows if row["text"] == "all"}
     dense = {row["bucket"]: row for row in rows if row["variant"] == "dense" and row["text"] == "all"}
     lines = []
@@ -98,12 +99,14 @@ def comparisons(rows):
         if near and dense_near:
             lines.append(f"seed {seed}: 0-512 loss, retrieval {near['loss']:.4f} vs dense {dense_near['loss']:.4f} "
                          f"(seed {dense_near['seed']}): {100 * (near['loss'] / dense_near['loss'] - 1):+.2f}%")
-        far = [(by_key[seed, "retrieval", b], by_key[seed, "window_only", b]) for b in FAR_BUCKETS
-               if (seed, "retrieval", b) in by_key and (seed, "window_only", b) in by_key]
-        if far:
-            tokens = sum(with_blocks["tokens"] for with_blocks, _ in far)
-            difference = sum((with_blocks["loss"] - alone["loss"]) * with_blocks["tokens"] for with_blocks, alone in far) / tokens
-            lines.append(f"seed {seed}: beyond 4k ({tokens} tokens), retrieval minus window only: {difference:+.4f} nats/token")
+        for other, buckets, where in (("window_only", FAR_BUCKETS, "beyond 4k"), ("recent_context", FARTHEST_BUCKETS, "beyond 16k")):
+            pairs = [(by_key[seed, "retrieval", b], by_key[seed, other, b]) for b in buckets
+                     if (seed, "retrieval", b) in by_key and (seed, other, b) in by_key]
+            if pairs:
+                tokens = sum(full["tokens"] for full, _ in pairs)
+                difference = sum((full["loss"] - less["loss"]) * full["tokens"] for full, less in pairs) / tokens
+                lines.append(f"seed {seed}: {where} ({tokens} tokens), retrieval minus {other.replace('_', ' ')}: "
+                             f"{difference:+.4f} nats/token")
     return "\n".join(lines)
 
 

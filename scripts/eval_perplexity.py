@@ -10,10 +10,12 @@ the KV cache, --chunk tokens at a time. The loss of the token at position p (p t
 counted in its position bucket: 0-512, 512-4k, 4k-16k, 16k-64k, 64k+. Variants:
     retrieval    the --load ANN model as saved (window plus top_n retrieved blocks)
     window_only  the same weights with top_n 0: the window alone, nothing retrieved
+    recent_context  (with --recent_context N) the same model, each --chunk piece read with only the
+                 N tokens before it: where it matches retrieval, the text further back was not used
     dense        the --dense model, only up to --dense_max_tokens (within and a little past its
                  trained length: its positions beyond are untrained, and its cost is quadratic)
-A lower loss with retrieval than window_only on the buckets beyond the window is the evidence
-that retrieval uses far context.
+A lower loss with retrieval than window_only shows that retrieved blocks help; a lower loss with
+retrieval than recent_context, on buckets beyond N, that the text more than N tokens back does.
 --json PATH writes {"config", "rows"} (rows: model, seed (its training seed), variant, text, bucket,
 loss, tokens; text "all"
 sums every text) and PATH with .png: loss by position bucket per variant.
@@ -58,26 +60,51 @@ def bucket_of(positions):
 
 
 @torch.no_grad()
-def position_losses(model, ids, chunk):
-    """ids: list of n token ids -> (loss sums per bucket, token counts per bucket), lists of
-    len(BUCKETS): the loss of predicting ids[p] from ids[:p] for p >= 1, filled through the cache
-    `chunk` tokens at a time."""
-    sums, counts = torch.zeros(len(BUCKETS), dtype=torch.float64), torch.zeros(len(BUCKETS), dtype=torch.long)
+def token_losses(model, ids, chunk):
+    """ids: list of n token ids -> (n - 1,) float64 losses of predicting ids[p] from ids[:p] for
+    p >= 1, filled through the KV cache `chunk` tokens at a time."""
     tokens = torch.tensor([ids], device=model.device)
     cache = model.new_cache(reserve=len(ids))
-    previous_logits = None  # the last logits of the previous chunk predict this chunk's first token
+    losses, previous_logits = [], None  # the last logits of the previous chunk predict this chunk's first token
     for start in range(0, len(ids), chunk):
         piece = tokens[:, start:start + chunk]
         logits = model(input_ids=piece, cache=cache, use_cache=True).logits[0].float()
         predictors = logits[:-1] if previous_logits is None else torch.cat([previous_logits, logits[:-1]])
         targets = piece[0, 1:] if previous_logits is None else piece[0]
-        first = start + 1 if previous_logits is None else start
-        losses = F.cross_entropy(predictors, targets, reduction="none").double().cpu()
-        buckets = bucket_of(torch.arange(first, first + len(targets)))
-        sums.index_add_(0, buckets, losses)
-        counts.index_add_(0, buckets, torch.ones_like(buckets))
+        losses.append(F.cross_entropy(predictors, targets, reduction="none").double().cpu())
         previous_logits = logits[-1:]
+    return torch.cat(losses)
+
+
+def bucket_sums(losses, positions):
+    """losses, positions: (m,) -> (loss sums per bucket, token counts per bucket), lists of len(BUCKETS)."""
+    buckets = bucket_of(positions)
+    sums = torch.zeros(len(BUCKETS), dtype=torch.float64).index_add_(0, buckets, losses)
+    counts = torch.zeros(len(BUCKETS), dtype=torch.long).index_add_(0, buckets, torch.ones_like(buckets))
     return sums.tolist(), counts.tolist()
+
+
+def position_losses(model, ids, chunk):
+    """ids: list of n token ids -> (loss sums per bucket, token counts per bucket): every token
+    predicted from everything before it."""
+    return bucket_sums(token_losses(model, ids, chunk), torch.arange(1, len(ids)))
+
+
+def recent_context_losses(model, ids, context, chunk):
+    """Like position_losses, but the tokens of each `chunk`-token piece are predicted from the
+    `context` tokens before the piece only (and the piece's earlier tokens): a token at position p
+    sees between `context` and `context + chunk` tokens, never the text before. Positions stay the
+    true ones, so the buckets compare with position_losses: where the two agree, the text further
+    back was of no use."""
+    sums, counts = [0.0] * len(BUCKETS), [0] * len(BUCKETS)
+    for start in range(1, len(ids), chunk):
+        low = max(0, start - context)
+        piece = ids[low:start + chunk]
+        losses = token_losses(model, piece, chunk)[start - low - 1:]
+        piece_sums, piece_counts = bucket_sums(losses, torch.arange(start, start + len(losses)))
+        sums = [a + b for a, b in zip(sums, piece_sums)]
+        counts = [a + b for a, b in zip(counts, piece_counts)]
+    return sums, counts
 
 
 def window_only(model):
@@ -126,6 +153,9 @@ def parse_args(argv=None):
     p.add_argument("--max_tokens", type=int, default=131072, help="tokens scored per text (its start)")
     p.add_argument("--dense_max_tokens", type=int, default=2048, help="tokens scored per text with the dense model")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per forward through the cache")
+    p.add_argument("--recent_context", type=int, default=0,
+                   help="also score the ANN model with only this many tokens before each --chunk piece "
+                        "(variant recent_context; 0: not scored)")
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -141,14 +171,16 @@ def validate_args(args):
     for name in ("max_tokens", "dense_max_tokens", "chunk"):
         if getattr(args, name) < 2:
             raise UsageError(f"--{name} must be >= 2, got {getattr(args, name)}")
+    if args.recent_context < 0:
+        raise UsageError(f"--recent_context must be >= 0, got {args.recent_context}")
 
 
-def score_texts(model, tokenizer, texts, max_tokens, chunk):
-    """{text name: (sums, counts)} for every held-out file, each cut to its first max_tokens tokens."""
+def score_texts(tokenizer, texts, max_tokens, losses_of):
+    """{text name: losses_of(ids)} for every held-out file, each cut to its first max_tokens tokens."""
     scored = {}
     for path in texts:
         ids = tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False, verbose=False).input_ids
-        scored[Path(path).stem] = position_losses(model, ids[:max_tokens], chunk)
+        scored[Path(path).stem] = losses_of(ids[:max_tokens])
     return scored
 
 
@@ -173,18 +205,24 @@ def main(argv=None):
     print(f"model: {path} (window {model.config.ann_window}, top {model.config.ann_top_n}), "
           f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
     seed = training_seed(path)
-    rows = rows_for(str(path), seed, "retrieval", score_texts(model, tokenizer, args.texts, args.max_tokens, args.chunk))
-    rows += rows_for(str(path), seed, "window_only",
-                     score_texts(window_only(model), tokenizer, args.texts, args.max_tokens, args.chunk))
+    rows = rows_for(str(path), seed, "retrieval", score_texts(
+        tokenizer, args.texts, args.max_tokens, lambda ids: position_losses(model, ids, args.chunk)))
+    if args.recent_context:
+        rows += rows_for(str(path), seed, "recent_context", score_texts(
+            tokenizer, args.texts, args.max_tokens,
+            lambda ids: recent_context_losses(model, ids, args.recent_context, args.chunk)))
+    rows += rows_for(str(path), seed, "window_only", score_texts(
+        tokenizer, args.texts, args.max_tokens, lambda ids: position_losses(window_only(model), ids, args.chunk)))
     if dense is not None:
-        rows += rows_for(str(dense_path), training_seed(dense_path), "dense",
-                         score_texts(dense, tokenizer, args.texts, args.dense_max_tokens, args.chunk))
+        rows += rows_for(str(dense_path), training_seed(dense_path), "dense", score_texts(
+            tokenizer, args.texts, args.dense_max_tokens, lambda ids: position_losses(dense, ids, args.chunk)))
     print_table(rows)
     if args.json:
         json_path = Path(args.json)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         run_config = {"load": str(path), "dense": str(dense_path) if dense_path else None, "texts": args.texts,
                       "max_tokens": args.max_tokens, "dense_max_tokens": args.dense_max_tokens, "chunk": args.chunk,
+                      "recent_context": args.recent_context,
                       "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
         json_path.write_text(json.dumps({"config": run_config, "rows": rows}, indent=2) + "\n", encoding="utf-8")
         plot_losses(rows, f"held-out loss by position: {path}", json_path.with_suffix(".png"))

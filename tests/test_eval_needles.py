@@ -118,13 +118,27 @@ def test_position_losses_match_the_full_forward(trained, prose_dir):
     assert sums[1] == pytest.approx(full[511:].sum().item(), rel=1e-4)
 
 
+@pytest.mark.parametrize("context, far_text_matters", [(1000, False), (100, True)], ids=["all-of-it", "last-100"])
+def test_recent_context_losses_see_only_recent_text(trained, prose_dir, context, far_text_matters):
+    model, tokenizer = load_model(trained, None, None, torch.device("cpu"))
+    ids = tokenizer((prose_dir / "prose_heldout_kjv.txt").read_text(), add_special_tokens=False).input_ids[:700]
+    full_sums, full_counts = eval_perplexity.position_losses(model, ids, chunk=128)
+    sums, counts = eval_perplexity.recent_context_losses(model, ids, context, chunk=64)
+    assert counts == full_counts == [511, 188, 0, 0, 0]
+    if far_text_matters:  # tokens past position 164 no longer see the text's start
+        assert abs(sums[1] - full_sums[1]) > 1e-4 * full_sums[1]  # 10x the tolerance of agreement below
+    else:  # a context longer than the text: every token sees all of its prefix, as in one pass
+        assert sums == pytest.approx(full_sums, rel=1e-5)
+
+
 def test_eval_perplexity_writes_every_variant(trained, prose_dir, tmp_path, capsys):
     json_path = tmp_path / "perplexity.json"
     texts = [str(prose_dir / "prose_heldout_kjv.txt"), str(prose_dir / "prose_heldout_sanguo.txt")]
     assert eval_perplexity.main(["--load", str(trained), "--dense", str(trained), "--texts", *texts, "--max_tokens", "700",
-                                 "--dense_max_tokens", "256", "--chunk", "128", "--json", str(json_path)]) == 0
+                                 "--dense_max_tokens", "256", "--chunk", "128", "--recent_context", "128",
+                                 "--json", str(json_path)]) == 0
     rows = json.loads(json_path.read_text())["rows"]
-    assert {row["variant"] for row in rows} == {"retrieval", "window_only", "dense"}
+    assert {row["variant"] for row in rows} == {"retrieval", "recent_context", "window_only", "dense"}
     for row in rows:
         assert set(row) == {"model", "seed", "variant", "text", "bucket", "loss", "tokens"} and row["loss"] > 0
         assert row["seed"] == 7
