@@ -4,7 +4,13 @@ evaluation (scripts/eval_passkey.py, scripts/eval_needles.py) measures per trial
 import resource
 import time
 
+import numpy as np
 import torch
+
+
+def spread_depths(trials):
+    """`trials` needle depths spread evenly over 0..1, both ends included."""
+    return [float(depth) for depth in np.linspace(0.0, 1.0, trials)]
 
 
 def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens):

@@ -43,7 +43,7 @@ from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
 from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
 from evaluation.reports import plot_needles
-from evaluation.trials import peak_rss_mb, run_trial
+from evaluation.trials import peak_rss_mb, run_trial, spread_depths
 from model.config import RETRIEVERS
 
 DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
@@ -191,7 +191,7 @@ def main(argv=None):
         return 2
 
     config = next(iter(models.values())).config
-    depths = list(args.depths) if args.depths is not None else [float(d) for d in np.linspace(0.0, 1.0, args.trials)]
+    depths = list(args.depths) if args.depths is not None else spread_depths(args.trials)
     streams = {lang: heldout_stream(corpus, lang, tokenizer) for lang in args.langs}
     num_parameters = sum(p.numel() for p in next(iter(models.values())).parameters())
     print(f"model: {path}, {num_parameters / 1e6:.2f}M parameters, {config.attn_impl} attention, "

@@ -45,7 +45,7 @@ from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
 from evaluation.passkey import PASSKEY_TEXTS, build_prompt, digits_right, parse_answer, random_key
-from evaluation.trials import peak_rss_mb, run_trial
+from evaluation.trials import peak_rss_mb, run_trial, spread_depths
 from model.config import ATTN_IMPLS, RETRIEVERS
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -158,7 +158,7 @@ def validate_args(args):
 
 def trial_depths(args):
     if args.trials is not None:
-        return [float(depth) for depth in np.linspace(0.0, 1.0, args.trials)]
+        return spread_depths(args.trials)
     return list(args.depths or DEFAULT_DEPTHS)
 
 
