@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.common import (
     Extrapolator,
+    build_core,
     PeakMemory,
     add_allocator_flag,
     apply_allocator,
@@ -44,6 +45,8 @@ from benchmarks.common import (
     median_ms,
     plot_panels,
     png_path_for,
+    random_qkv,
+    rope_at,
     set_threads,
     skip_reason,
     synchronize,
@@ -51,10 +54,7 @@ from benchmarks.common import (
     write_json,
 )
 from common.cli import DTYPES
-from model.ann_attention import AnnAttention
 from model.config import MiniMindConfig
-from model.dense_attention import DenseAttention
-from model.rope import Rope
 
 IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
 MODES = ("fwd", "fwd_bwd", "decode")
@@ -93,38 +93,6 @@ def parse_args(argv=None):
     p.add_argument("--json", default="docs/bench/attention.json")
     p.add_argument("--png", default=None, help="default: the --json path with .png")
     return p.parse_args(argv)
-
-
-def build_core(settings, impl):
-    config = MiniMindConfig(
-        hidden_size=settings["heads"] * settings["head_dim"],
-        num_attention_heads=settings["heads"],
-        num_key_value_heads=settings["kv_heads"],
-        num_hidden_layers=1,
-        attn_impl="dense" if impl == "dense" else "ann",
-        ann_window=settings["window"],
-        ann_block_size=settings["block_size"],
-        ann_top_n=settings["top_n"],
-        ann_retrieval="exact" if impl == "dense" else impl.removeprefix("ann_"),
-        ann_auto_threshold=settings["auto_threshold"],
-    )
-    return DenseAttention(config) if impl == "dense" else AnnAttention(config)
-
-
-def rope_at(settings, first, length):
-    """The Rope of `length` new tokens from position `first` (the model shares one across its layers)."""
-    positions = (first + torch.arange(length, device=settings["device"])).expand(settings["batch"], length)
-    return Rope(positions, settings["head_dim"], 1e6, DTYPES[settings["dtype"]])
-
-
-def random_qkv(settings, length, generator, requires_grad=False):
-    device, dtype = settings["device"], DTYPES[settings["dtype"]]
-    b, h, g, d = settings["batch"], settings["heads"], settings["kv_heads"], settings["head_dim"]
-    shapes = [(b, h, length, d), (b, g, length, d), (b, g, length, d)]
-    return [
-        torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_(requires_grad)
-        for shape in shapes
-    ]
 
 
 def pass_call(settings, impl, mode, length):

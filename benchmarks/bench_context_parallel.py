@@ -7,6 +7,8 @@ end); the model is an untrained tiny ANN model, so this measures cost, not retri
 Then the cost model (cost_model) extrapolates to 1B tokens over M machines (docs/SCALING.md).
 
     python benchmarks/bench_context_parallel.py --length 16384 --ranks 1 2 4
+    python benchmarks/bench_context_parallel.py --length 1048576 --ranks 1 2 4 --retrieval hnsw \
+        --json docs/bench/context_parallel_1m.json    # each rank searches HNSW graphs of its own blocks
     torchrun --nproc_per_node 4 benchmarks/bench_context_parallel.py --length 16384   # one row per rank
 """
 
@@ -40,19 +42,19 @@ def passkey_prompt(length, seed=0):
     return ids
 
 
-def rank_main(rank, world, init_method, length, decode_steps, results):
+def rank_main(rank, world, init_method, length, decode_steps, retrieval, results):
     """One rank's measurement, put on `results` (a queue, or a list under torchrun)."""
     torch.set_num_threads(1)
-    group = join_group(rank, world, init_method, 600.0)
+    group = join_group(rank, world, init_method, 3600.0)
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(**MODEL)).eval()
+    model = MiniMindForCausalLM(MiniMindConfig(**MODEL, ann_retrieval=retrieval)).eval()
     ids = passkey_prompt(length)
     bounds = split_by_blocks(length, world, MODEL["ann_block_size"])
     memory = PeakMemory("cpu")
     with torch.no_grad():
         sharded = ContextParallelLM(model, group, bounds)
         begin = time.perf_counter()
-        logits = sharded.prefill(ids[:, bounds[rank] : bounds[rank + 1]])
+        logits = sharded.prefill(ids[:, bounds[rank] : bounds[rank + 1]], last_only=True)
         prefill_s = time.perf_counter() - begin
         token = ids[:, -1:]
         sent, messages = group.bytes_sent, group.messages
@@ -72,11 +74,12 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def measure(world, length, decode_steps, timeout_s):
+def measure(world, length, decode_steps, retrieval, timeout_s):
     """One forked launch of `world` ranks -> one row per rank (raises if a rank fails or overruns)."""
     context = multiprocessing.get_context("fork")
     results, port = context.Queue(), free_port()
-    processes = [context.Process(target=rank_main, args=(rank, world, f"tcp://127.0.0.1:{port}", length, decode_steps, results))
+    processes = [context.Process(target=rank_main, args=(rank, world, f"tcp://127.0.0.1:{port}", length, decode_steps,
+                                                         retrieval, results))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -85,7 +88,7 @@ def measure(world, length, decode_steps, timeout_s):
         process.join()
     if any(process.exitcode for process in processes):
         raise RuntimeError(f"a rank of the {world}-rank launch failed: exit codes {[p.exitcode for p in processes]}")
-    return [dict(world=world, length=length, **row) for row in sorted(rows, key=lambda row: row["rank"])]
+    return [dict(world=world, length=length, retrieval=retrieval, **row) for row in sorted(rows, key=lambda row: row["rank"])]
 
 
 def cost_model(tokens, machines, config=MODEL, bytes_per_value=2, hnsw_m=32, prefill_tokens_per_s=None):
@@ -118,15 +121,18 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--decode_steps", type=int, default=16)
-    parser.add_argument("--timeout_s", type=float, default=1800)
+    parser.add_argument("--retrieval", choices=("exact", "hnsw", "auto"), default="exact",
+                        help="each rank's selection over its own blocks")
+    parser.add_argument("--timeout_s", type=float, default=3600)
     parser.add_argument("--json", default="docs/bench/context_parallel.json")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" in os.environ:  # launched by torchrun: this process is one rank; each prints its row
         rows = []
-        rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args.length, args.decode_steps, rows)
+        rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args.length, args.decode_steps,
+                  args.retrieval, rows)
         print(rows[0])
         return
-    rows = [row for world in args.ranks for row in measure(world, args.length, args.decode_steps, args.timeout_s)]
+    rows = [row for world in args.ranks for row in measure(world, args.length, args.decode_steps, args.retrieval, args.timeout_s)]
     print(format_table(rows, [("ranks", "world", "{}"), ("rank", "rank", "{}"), ("prefill s", "prefill_s", "{:.2f}"),
                               ("peak RSS MB", "peak_rss_mb", "{:.1f}"), ("decode ms/token", "decode_ms", "{:.1f}"),
                               ("bytes sent/token", "bytes_per_token", "{:.0f}"),
@@ -138,12 +144,12 @@ def main(argv=None):
                               ("GB/shard/layer", "shard_gb_per_layer", "{:.2f}"),
                               ("decode B/token/layer", "decode_payload_bytes_per_token", "{:.0f}"),
                               ("prefill s/shard (this model and CPU)", "prefill_s_per_shard", "{:.0f}")]))
-    write_json(args.json, dict(model=MODEL, length=args.length, decode_steps=args.decode_steps), rows,
+    write_json(args.json, dict(model=MODEL, length=args.length, decode_steps=args.decode_steps, retrieval=args.retrieval), rows,
                plan=plan, machine=machine_info("cpu"))
     panels = [(f"{metric} ({args.length} tokens)", "ranks", metric,
                {f"rank {rank}": [(row["world"], row[key]) for row in rows if row["rank"] == rank] for rank in range(max(args.ranks))})
               for metric, key in (("prefill s", "prefill_s"), ("peak RSS MB", "peak_rss_mb"), ("decode ms/token", "decode_ms"))]
-    plot_panels(Path(args.json).with_suffix(".png"), "Context parallelism, gloo on one CPU machine", panels)
+    plot_panels(Path(args.json).with_suffix(".png"), f"Context parallelism, gloo on one CPU machine, {args.retrieval} retrieval", panels)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ and the recall@top_n of HNSW against exact over the prefill batch, for the confi
 settings and for each efSearch of --ef_sweep. It prints the crossover (the smallest m from which
 HNSW at the default efSearch decodes faster than exact) and the ann_auto_threshold that follows.
 
+Sharded (--shards N ...): the m blocks split into N contiguous shards, one set of HNSW graphs per
+shard, each searched for its shard's top-n and merged as context-parallel ranks merge them
+(model/context_parallel.py local_selection and global_top_n); recall@top_n of the merged answer
+against exact over all m blocks, and the build and search time summed over the shards (one
+machine doing every shard's work; with one machine per shard each takes about 1/N of it).
+
 Keys. With --model PATH they are the model's own: the text (--text) runs through the model in
 chunks with a KV cache, and a wrapper around layer --layer's attention core records its keys and
 its GQA-summed queries; summaries are block means of B keys, and the queries at m blocks are the
@@ -19,6 +25,8 @@ like real keys (see `synthetic_blocks`), not iid Gaussian, whose top-n is unreal
     python benchmarks/bench_retrieval.py --json docs/bench/retrieval_synthetic.json
     python benchmarks/bench_retrieval.py --model out/pretrain/model --blocks 256 1024 4096 16384 \\
         --model_tokens 270000 --json docs/bench/retrieval_model.json
+    python benchmarks/bench_retrieval.py --blocks 65536 --shards 1 2 4 --ef_sweep 256 \
+        --json docs/bench/retrieval_sharded_1m.json    # 65536 blocks of 16: a 1M-token context
 """
 
 import argparse
@@ -47,6 +55,7 @@ from benchmarks.common import (
 from common.cli import UsageError
 from evaluation.loading import load_model, resolve_load_path
 from model.config import MiniMindConfig
+from model.context_parallel import global_top_n, local_selection
 from model.hnsw import HnswRetriever
 from model.retrieval import block_summaries, exact_select, selection_queries
 
@@ -71,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--model_tokens", type=int, default=65536, help="tokens of --text run through the model")
     p.add_argument("--layer", type=int, default=None, help="default: the middle layer")
     p.add_argument("--model_chunk", type=int, default=2048, help="tokens per prefill call")
+    p.add_argument("--shards", type=int, nargs="*", default=[], help="also HNSW per shard, merged, for these shard counts")
+    p.add_argument("--shuffled_insertion", action="store_true",
+                   help="insert the blocks in a random order instead of block order (recall only: not causal)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     add_allocator_flag(p)
@@ -183,19 +195,53 @@ def measure(args, summaries, decode_queries, prefill_queries):
              "prefill_ms": time_prefill(exact_select), "build_ms": None, "recall": 1.0}]
 
     retriever = HnswRetriever(*hnsw_settings(args, args.ef_search))
+    # Shuffled: the graphs get the blocks in a random order (not causal; what block order costs).
+    order = torch.randperm(m, generator=torch.Generator().manual_seed(args.seed)) if args.shuffled_insertion else None
     started = time.perf_counter()
-    retriever.add_candidates(summaries, decode_limits)
+    retriever.add_candidates(summaries if order is None else summaries[:, :, order], decode_limits)
     build_ms = 1000 * (time.perf_counter() - started)
     for ef_search in [args.ef_search] + [ef for ef in args.ef_sweep if ef != args.ef_search]:
         # efSearch only steers the search, so one built graph serves every value of the sweep.
         for graph in retriever.graphs[0]:
             graph.index.hnsw.efSearch = ef_search
         found_ids, found_valid = retriever.select(prefill_queries, summaries, prefill_limits, args.top_n)
+        if order is not None:
+            found_ids = order[found_ids]
         rows.append({
             "impl": "hnsw", "blocks": m, "ef_search": ef_search, "decode_ms": time_decode(retriever.select),
             "prefill_ms": time_prefill(retriever.select), "build_ms": build_ms,
             "recall": recall(found_ids, found_valid, exact_ids, exact_valid),
         })
+    return rows
+
+
+def sharded_rows(args, summaries, queries, shards, ef_values):
+    """Per-shard HNSW merged over `shards` contiguous shards of the blocks: a row per efSearch."""
+    m = summaries.shape[2]
+    limits = torch.full((1, queries.shape[2]), m)
+    exact_ids, exact_valid = exact_select(queries, summaries, limits, args.top_n)
+    bounds = [m * rank // shards for rank in range(shards + 1)]
+    parts = [(lo, summaries[:, :, lo:hi].contiguous(), limits.clamp(max=hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+    retrievers = [HnswRetriever(*hnsw_settings(args, args.ef_search)) for _ in parts]
+    started = time.perf_counter()
+    for retriever, (_, part, part_limits) in zip(retrievers, parts):
+        retriever.add_candidates(part, part_limits)
+    build_ms = 1000 * (time.perf_counter() - started)
+    rows = []
+    for ef_search in ef_values:
+        for retriever in retrievers:
+            for graph in retriever.graphs[0]:
+                graph.index.hnsw.efSearch = ef_search
+
+        def merged():
+            local = [local_selection(retriever, queries, part, part_limits, args.top_n, lo)
+                     for retriever, (lo, part, part_limits) in zip(retrievers, parts)]
+            return global_top_n(torch.stack([scores for scores, _ in local]), torch.stack([ids for _, ids in local]), args.top_n)
+
+        ids, valid = merged()
+        rows.append({"impl": "hnsw_sharded", "shards": shards, "blocks": m, "ef_search": ef_search, "build_ms": build_ms,
+                     "prefill_ms": median_ms(time_calls(merged, 1, args.prefill_repeats, "cpu")),
+                     "recall": recall(ids, valid, exact_ids, exact_valid)})
     return rows
 
 
@@ -252,7 +298,8 @@ def main(argv=None):
         all_summaries, queries = synthetic_blocks(blocks[-1], num_queries, args.kv_heads, args.head_dim, args.seed)
         source = "synthetic (drifting mean + recurring low-rank topics + noise)"
 
-    rows = []
+    rows, sharded = [], []
+    every_ef = [args.ef_search] + [ef for ef in args.ef_sweep if ef != args.ef_search]
     for m in blocks:
         if args.model:
             # The queries right after the first m blocks (and the window) have those m blocks as candidates.
@@ -267,6 +314,8 @@ def main(argv=None):
         hnsw = point[1]
         print(f"blocks {m:6d}: exact decode {point[0]['decode_ms']:.3f} ms, hnsw {hnsw['decode_ms']:.3f} ms, "
               f"recall {hnsw['recall']:.3f}, build {hnsw['build_ms']:.0f} ms", flush=True)
+        for shards in args.shards:
+            sharded += sharded_rows(args, summaries.contiguous(), queries[:, :, args.decode_queries :], shards, every_ef)
 
     decode_crossover = crossover(rows, blocks, "decode_ms", args.ef_search)
     prefill_crossover = crossover(rows, blocks, "prefill_ms", args.ef_search)
@@ -282,11 +331,18 @@ def main(argv=None):
     print(f"\ncrossover (HNSW efSearch {args.ef_search} faster than exact): decode from {decode_crossover} blocks, "
           f"prefill of {args.prefill_queries} queries from {prefill_crossover} blocks")
     print(f"recommended ann_auto_threshold: {threshold} ({why})")
+    if sharded:
+        print("\nHNSW per shard, merged (build and search summed over the shards):")
+        print(format_table(sharded, [
+            ("blocks", "blocks", "{}"), ("shards", "shards", "{}"), ("efSearch", "ef_search", "{}"),
+            (f"prefill{args.prefill_queries}_ms", "prefill_ms", "{:.3f}"), ("build_ms", "build_ms", "{:.0f}"),
+            (f"recall@{args.top_n}", "recall", "{:.3f}"),
+        ]))
 
     config = {key: value for key, value in vars(args).items() if key not in ("json", "png")}
     config.update(keys=source, machine=machine_info("cpu"))
     write_json(args.json, config, rows, crossover={"decode": decode_crossover, "prefill": prefill_crossover},
-               recommended_ann_auto_threshold=threshold, recommendation=why)
+               recommended_ann_auto_threshold=threshold, recommendation=why, sharded=sharded)
 
     def lines(key, hnsw_efs):
         by_impl = {"exact": [(r["blocks"], r[key]) for r in rows if r["impl"] == "exact"]}
@@ -294,7 +350,6 @@ def main(argv=None):
             by_impl[f"hnsw ef={ef}"] = [(r["blocks"], r[key]) for r in rows if r["ef_search"] == ef]
         return by_impl
 
-    every_ef = [args.ef_search] + [ef for ef in args.ef_sweep if ef != args.ef_search]
     panels = [
         ("decode: one query per kv head", "candidate blocks", "ms", lines("decode_ms", every_ef)),
         (f"prefill: {args.prefill_queries} queries per kv head", "candidate blocks", "ms",

@@ -1,4 +1,4 @@
-"""What the benchmarks/bench_*.py scripts share: threads, timing, peak memory, isolated rows, tables, JSON, plots.
+"""What the benchmarks share: threads, timing, peak memory, isolated rows, tables, JSON, plots, attention rows.
 
 Timing. `time_interleaved` runs each implementation's warm-up calls (allocator, thread pools and
 lazy inits settle), then rounds of one timed call per implementation, until `repeats` rounds are
@@ -31,7 +31,12 @@ from pathlib import Path
 import faiss
 import torch
 
+from common.cli import DTYPES
 from common.cpu_memory import retain_freed_memory
+from model.ann_attention import AnnAttention
+from model.config import MiniMindConfig
+from model.dense_attention import DenseAttention
+from model.rope import Rope
 
 
 def add_allocator_flag(parser):
@@ -316,3 +321,40 @@ def plot_panels(png_path, title, panels):
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     print(f"wrote {png_path}")
+
+
+# ----------------------------------------------------------------------------- attention rows
+# The attention benchmarks' cores and inputs, from a settings dict (batch, heads, kv_heads,
+# head_dim, window, block_size, top_n, auto_threshold, device, dtype).
+
+
+def build_core(settings, impl):
+    config = MiniMindConfig(
+        hidden_size=settings["heads"] * settings["head_dim"],
+        num_attention_heads=settings["heads"],
+        num_key_value_heads=settings["kv_heads"],
+        num_hidden_layers=1,
+        attn_impl="dense" if impl == "dense" else "ann",
+        ann_window=settings["window"],
+        ann_block_size=settings["block_size"],
+        ann_top_n=settings["top_n"],
+        ann_retrieval="exact" if impl == "dense" else impl.removeprefix("ann_"),
+        ann_auto_threshold=settings["auto_threshold"],
+    )
+    return DenseAttention(config) if impl == "dense" else AnnAttention(config)
+
+
+def rope_at(settings, first, length):
+    """The Rope of `length` new tokens from position `first` (the model shares one across its layers)."""
+    positions = (first + torch.arange(length, device=settings["device"])).expand(settings["batch"], length)
+    return Rope(positions, settings["head_dim"], 1e6, DTYPES[settings["dtype"]])
+
+
+def random_qkv(settings, length, generator, requires_grad=False):
+    device, dtype = settings["device"], DTYPES[settings["dtype"]]
+    b, h, g, d = settings["batch"], settings["heads"], settings["kv_heads"], settings["head_dim"]
+    shapes = [(b, h, length, d), (b, g, length, d), (b, g, length, d)]
+    return [
+        torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_(requires_grad)
+        for shape in shapes
+    ]

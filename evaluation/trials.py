@@ -1,11 +1,18 @@
 """One greedy answer to a long prompt, timed, and the process's peak memory: what every retrieval
-evaluation (scripts/eval_passkey.py, scripts/eval_needles.py) measures per trial."""
+evaluation (scripts/eval_passkey.py, scripts/eval_needles.py) measures per trial. Under a torchrun
+launch the prompt is sharded over the ranks (model/context_parallel.py), every rank running the
+same trials."""
 
+import os
 import resource
+import sys
 import time
 
 import numpy as np
 import torch
+
+from common.cli import UsageError
+from model.context_parallel import ContextParallelLM, join_launch_group, split_by_blocks
 
 
 def spread_depths(trials):
@@ -13,15 +20,38 @@ def spread_depths(trials):
     return [float(depth) for depth in np.linspace(0.0, 1.0, trials)]
 
 
-def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens):
+def join_trial_group(config, path):
+    """Under torchrun: the context-parallel group that every trial is sharded over (only rank 0 keeps
+    its stdout: the ranks run the same trials); None in a plain process or a launch of one.
+    UsageError for a model whose attention cannot be sharded."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        return None
+    if config.attn_impl != "ann":
+        raise UsageError(f"{path} has {config.attn_impl} attention; a torchrun launch shards ANN attention only")
+    group = join_launch_group()
+    if group.rank:
+        sys.stdout = open(os.devnull, "w")
+    return group
+
+
+def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens, group=None):
     """Greedy continuation of the prompt -> (text, prefill seconds, total seconds).
 
     The prompt goes through model.stream_generate, which fills the KV cache prefill_chunk tokens at a
     time (0 or None: all at once), so activations never exceed one chunk's. The prefill time is the
-    time to the first new token; generation stops at a document or chat end.
+    time to the first new token; generation stops at a document or chat end. With a context-parallel
+    group (ShardGroup), each rank prefills its shard of whole blocks in one pass (prefill_chunk
+    unused) and the answer is the same on every rank.
     """
-    input_ids = torch.tensor([prompt_ids], device=model.device)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    if group is not None:
+        start = time.perf_counter()
+        bounds = split_by_blocks(len(prompt_ids), group.size, model.config.ann_block_size)
+        sharded = ContextParallelLM(model, group, bounds)
+        local_ids = torch.tensor([prompt_ids[bounds[group.rank] : bounds[group.rank + 1]]])
+        answer_ids, prefill_s = sharded.greedy(local_ids, max_new_tokens, end_ids)
+        return tokenizer.decode(answer_ids, skip_special_tokens=True), prefill_s, time.perf_counter() - start
+    input_ids = torch.tensor([prompt_ids], device=model.device)
     answer_ids, prefill_s = [], None
     start = time.perf_counter()
     for token in model.stream_generate(
@@ -39,3 +69,11 @@ def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens):
 def peak_rss_mb():
     """The process's peak resident memory so far, in MB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def ranks_peak_rss_mb(group):
+    """[peak_rss_mb()] of every rank of a context-parallel group, in rank order (this process alone
+    without one); every rank must call it."""
+    if group is None:
+        return [round(peak_rss_mb(), 1)]
+    return [round(float(value), 1) for value in group.raw_all_gather(torch.tensor([peak_rss_mb()], dtype=torch.float64)).flatten()]

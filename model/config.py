@@ -50,7 +50,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_block_summary="bounds",
         ann_auto_threshold=16384,
         hnsw_m=32,
-        hnsw_ef_construction=80,
+        hnsw_ef_construction=200,
         hnsw_ef_search=64,
         pad_token_id=0,
         bos_token_id=1,

@@ -9,12 +9,16 @@ inside a block) is owned by the rank it ends on, which keeps a copy of its first
 fewer than B keys) so that its summary and its keys are whole there. Every block has one owner.
 
 Attention (ShardedAttention, the per-layer core). A query at position t is answered by every rank:
-    selection: each rank scores its own candidate blocks (model/retrieval.py candidate_scores) and
-               returns its local top-n (scores, global block ids); the global top-n is the best n
-               of those N*n pairs. Ties: both the local and the global choice sort by score with a
-               stable sort, and the pairs are concatenated in rank order, so among equal scores the
-               lower block id wins, on every world size. exact_select takes torch.topk's choice
-               among equal scores, so the two agree whenever the n-th best score is not tied.
+    selection: each rank finds the top-n of its own candidate blocks (local_selection: exact
+               scoring, or the rank's own HNSW graphs for hnsw/auto, whose blocks are then scored
+               exactly) and returns it as (scores, global block ids); the global top-n is the best
+               n of those N*n pairs. With exact retrieval that is the single-process selection;
+               with HNSW it is wherever each shard's graphs find their shard's top-n (recall 1),
+               and a shard's graph holds 1/N of the blocks, which raises recall. Ties: both the
+               local and the global choice sort by score with a stable sort, and the pairs are
+               concatenated in rank order, so among equal scores the lower block id wins, on every
+               world size. exact_select takes torch.topk's choice among equal scores, so the two
+               agree whenever the n-th best score is not tied.
     partial:   each rank attends over the window keys it owns and the selected blocks it owns and
                returns (max logit, sum of exponentials, exponential-weighted values), float32;
     merge:     the log-sum-exp rule (ring attention): M = max over ranks of the max logits, each
@@ -25,7 +29,8 @@ of its layer input (token shift) and of its keys and values (halos) to all ranks
 each), then the ranks take turns: the owner of a tile of queries broadcasts them, every rank
 answers with its partial and the sum is reduced onto the owner. Decode: every rank runs the new
 token (the layers are replicated; only attention is sharded), its key and value land on the last
-rank, and every rank answers with its partial (all_reduce). Only exact retrieval is sharded.
+rank, and every rank answers with its partial (all_reduce). auto chooses per query and shard by
+the query's candidate count on that shard.
 Training (ContextParallelLM.train_step): each rank all_gathers every rank's queries (one tile per
 layer), answers them all with its partials and the all_reduce-sum merge, and keeps its own
 positions; the backward runs through the same partials. The collectives that carry gradients are
@@ -35,6 +40,8 @@ log-sum-exp rule and the summaries carry none (the merged output does not depend
 """
 
 import math
+import os
+import time
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -42,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .ann_attention import AnnAttention, block_tables
-from .retrieval import candidate_count, candidate_scores, selection_queries
+from .retrieval import ExactRetriever, candidate_count, candidate_scores, selection_queries
 from .rope import Rope
 
 NEG_INF = float("-inf")
@@ -162,6 +169,15 @@ def join_group(rank, world_size, init_method, timeout_s=60.0, backend="gloo"):
     return ShardGroup(dist.group.WORLD)
 
 
+def join_launch_group(timeout_s=1800.0):
+    """The ShardGroup of a torchrun launch (RANK and WORLD_SIZE in the environment), or None for a
+    plain process or a launch of one."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return None
+    return join_group(int(os.environ["RANK"]), world_size, "env://", timeout_s)
+
+
 def split_by_blocks(length, world_size, block_size):
     """(N+1) bounds: whole blocks dealt out in contiguous runs of ceil(blocks / N), the tail to the last
     rank holding any; ranks past the prompt hold nothing."""
@@ -247,6 +263,26 @@ def local_top_n(scores, top_n, first_block):
     return ordered, order
 
 
+def local_selection(retriever, group_queries, summaries, limits, top_n, first_block):
+    """This rank's top-n of its own blocks: group_queries (b, g, T, e), summaries (b, g, m, e) of the
+    rank's blocks, limits (b, T) in 0 .. m -> (scores, global ids) (b, g, T, top_n), as local_top_n.
+
+    An ExactRetriever scores every candidate; any other retriever (HNSW graphs over this rank's
+    blocks) picks the blocks, which are then scored exactly so that the ranks' lists merge by score.
+    """
+    if isinstance(retriever, ExactRetriever):
+        return local_top_n(candidate_scores(group_queries, summaries, limits), top_n, first_block)
+    ids, valid = retriever.select(group_queries, summaries, limits, top_n)
+    b, g, T, n = ids.shape
+    chosen = summaries.gather(2, ids.reshape(b, g, T * n, 1).expand(-1, -1, -1, summaries.shape[-1]))
+    scores = (chosen.view(b, g, T, n, -1) @ group_queries[..., None].to(chosen.dtype))[..., 0]
+    scores = scores.to(group_queries.dtype).masked_fill(~valid, NEG_INF)
+    # Ties to the lower id, as local_top_n: order by id, then stably by score.
+    ids, by_id = ids.masked_fill(~valid, 0).sort(dim=-1, stable=True)
+    scores, order = scores.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    return scores, ids.gather(-1, order) + first_block
+
+
 def global_top_n(gathered_scores, gathered_ids, top_n):
     """(N, b, g, T, n) each rank's local top-n -> (ids, valid) (b, g, T, n): the best n over all ranks,
     ties to the lower block id (rank order is block order, and each rank's list is stable)."""
@@ -260,11 +296,8 @@ class ShardedAttention:
     """The attention core of one layer on one rank, in place of AnnAttention (same call signature)."""
 
     def __init__(self, config, group, shards, tile=PREFILL_TILE):
-        if config.attn_impl != "ann" or config.ann_retrieval != "exact":
-            raise ValueError(
-                f"context parallelism shards ANN attention with exact retrieval, got attn_impl={config.attn_impl!r}, "
-                f"ann_retrieval={config.ann_retrieval!r}"
-            )
+        if config.attn_impl != "ann":
+            raise ValueError(f"context parallelism shards ANN attention, got attn_impl={config.attn_impl!r}")
         self.ann = AnnAttention(config)
         self.group, self.shards, self.tile = group, shards, tile
         self.window, self.block_size, self.kv_heads = config.ann_window, config.ann_block_size, config.num_key_value_heads
@@ -380,7 +413,7 @@ class ShardedAttention:
         if owned:
             summaries = layer_cache.summaries[:, :, :owned]
         with torch.no_grad():
-            scores, ids = local_top_n(candidate_scores(group_queries, summaries, limits), top_n, first_block)
+            scores, ids = local_selection(layer_cache.retriever, group_queries, summaries, limits, top_n, first_block)
             packed = self.group.all_gather(torch.stack([scores.double(), ids.double()]))
             ids, valid = global_top_n(packed[:, 0], packed[:, 1].long(), top_n)
             mine = valid & (ids >= first_block) & (ids < end_block)
@@ -440,11 +473,29 @@ class ContextParallelLM:
         self.caches = [core.new_layer_cache() for core in self.cores]
         self.num_shifted = model.model.layers[0].self_attn.num_shifted
 
-    def prefill(self, local_ids):
-        """local_ids (1, hi - lo) of this rank's positions -> logits (1, hi - lo, vocab)."""
+    def prefill(self, local_ids, last_only=False):
+        """local_ids (1, hi - lo) of this rank's positions -> logits (1, hi - lo, vocab), or (1, 1, vocab)
+        of the rank's last position with last_only (a long prompt's logits would not fit)."""
         self.check_length(local_ids)
         with torch.no_grad():  # inference: the reduce onto each tile's owner carries no gradient
-            return self.run_layers(local_ids, self.shards.lo(self.group.rank))
+            return self.run_layers(local_ids, self.shards.lo(self.group.rank), last_only)
+
+    def greedy(self, local_ids, max_new_tokens, end_ids=()):
+        """Greedy continuation of the sharded prompt (local_ids as prefill's) -> (new token ids, seconds
+        to the first), the same on every rank. Stops before an end id or after max_new_tokens."""
+        start = time.perf_counter()
+        logits = self.prefill(local_ids, last_only=True)
+        holding = [rank for rank in range(self.group.size) if self.shards.hi(rank) > self.shards.lo(rank)]
+        owner = holding[-1]  # holds the prompt's last position
+        token = logits[:, -1:].argmax(-1) if self.group.rank == owner else torch.zeros(1, 1, dtype=torch.long)
+        self.group.broadcast(token, owner)
+        first_token_s = time.perf_counter() - start
+        new_ids = []
+        while int(token) not in end_ids and len(new_ids) < max_new_tokens:
+            new_ids.append(int(token))
+            if len(new_ids) < max_new_tokens:
+                token = self.decode(token)[:, -1:].argmax(-1)
+        return new_ids, first_token_s
 
     def check_length(self, local_ids):
         rank = self.group.rank
@@ -502,7 +553,7 @@ class ContextParallelLM:
         with torch.no_grad():
             return self.run_layers(token, self.shards.hi(self.group.size - 1) - 1)
 
-    def run_layers(self, ids, first_position):
+    def run_layers(self, ids, first_position, last_only=False):
         model, config = self.model, self.model.config
         x = model.model.embed_tokens(ids)
         s = ids.shape[1]
@@ -516,7 +567,7 @@ class ContextParallelLM:
             x = layer(x, rope, starts, starts + s, cache)
             if shifted is not None:
                 cache.last_inputs = shifted[1]  # decoding continues from the sequence's last tokens
-        return model.lm_head(model.model.norm(x))
+        return model.lm_head(model.model.norm(x[:, -1:] if last_only else x))
 
     def shift_inputs(self, x):
         """x (1, s, c) -> (the num_shifted inputs before this rank's first position, the sequence's last

@@ -5,6 +5,7 @@
     python scripts/eval_needles.py --load out/prose_ann --tasks single --langs zh --lengths 1048576 \\
         --trials 2 --retrievals exact
     python scripts/eval_needles.py --load out/prose_dense --lengths 4096 16384
+    torchrun --standalone --nproc_per_node 2 scripts/eval_needles.py --load out/prose_ann --lengths 65536
 
 Every task (single, multikey, multivalue: evaluation/needles.py, worded as the training documents of
 scripts/make_prose_data.py) in every language, at every --lengths (tokens), with --trials depths
@@ -15,12 +16,14 @@ haystack depend only on --seed, the task, the language, the length and the trial
 model and retrieval sees the same prompts. An ANN model is evaluated with each of --retrievals on
 the same weights; a dense model once, and only up to --dense_max_length.
 
-The prompt goes through the KV cache --prefill_chunk tokens at a time (evaluation/trials.py). A
-trial is right when the first integer of the greedy answer is the asked number (multivalue: when
+The prompt goes through the KV cache --prefill_chunk tokens at a time (evaluation/trials.py). Under
+torchrun (an ANN model only) each prompt is split by position over the ranks, which hold one shard
+of the KV cache each (model/context_parallel.py); rank 0 prints and writes, and each row has
+`ranks` and every rank's peak RSS (`peak_rss_mb_per_rank`). A trial is right when the first integer of the greedy answer is the asked number (multivalue: when
 every number of the label is among the answer's integers).
 --json PATH writes {"config", "rows", "trials"} (rows: task, lang, length, retrieval, seed (the
 model's training seed, from its training_args.json), needle_seed, accuracy, trials, prefill_seconds,
-answer_seconds, peak_rss_mb) and PATH with .png: accuracy by
+answer_seconds, peak_rss_mb, ranks, peak_rss_mb_per_rank) and PATH with .png: accuracy by
 length and depth, one panel per task, language and retrieval.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
@@ -43,7 +46,7 @@ from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
 from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
 from evaluation.reports import plot_needles
-from evaluation.trials import peak_rss_mb, run_trial, spread_depths
+from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths
 from model.config import RETRIEVERS
 
 DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
@@ -57,9 +60,10 @@ def trial_rng(seed, task, lang, length, index):
     return random.Random(f"{seed}/{task}/{lang}/{length}/{index}")
 
 
-def evaluate(models, model_seed, tokenizer, streams, args, depths):
+def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
     """Each (length, task, lang, depth) prompt built once and answered by every model
-    ({retrieval or None: model}, the same weights trained with model_seed) -> (summary rows, trial rows)."""
+    ({retrieval or None: model}, the same weights trained with model_seed), sharded over a
+    context-parallel group if one is given -> (summary rows, trial rows)."""
     rows, trial_rows = [], []
     for length in args.lengths:
         for task in args.tasks:
@@ -74,7 +78,7 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths):
                     for retrieval, model in models.items():
                         if retrieval is None and length > args.dense_max_length:
                             continue
-                        text, prefill_s, total_s = run_trial(model, tokenizer, ids, args.prefill_chunk, max_new_tokens)
+                        text, prefill_s, total_s = run_trial(model, tokenizer, ids, args.prefill_chunk, max_new_tokens, group)
                         correct = score(needles, text)
                         print(f"{task:<10} {lang} {length:>8} ({len(ids)} tokens, {span.heldout_tokens} held out) "
                               f"depth {depth:.2f} {retrieval or 'dense':<5} {needles.values} -> {text!r} "
@@ -90,11 +94,11 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths):
                         trial_rows.append(trial)
                 for retrieval, trials in results.items():
                     if trials:
-                        rows.append(summary_row(trials, retrieval))
+                        rows.append(summary_row(trials, retrieval, ranks_peak_rss_mb(group)))
     return rows, trial_rows
 
 
-def summary_row(trials, retrieval):
+def summary_row(trials, retrieval, peak_rss_per_rank):
     first = trials[0]
     return {
         "task": first["task"], "lang": first["lang"], "length": first["length"], "retrieval": retrieval,
@@ -103,8 +107,8 @@ def summary_row(trials, retrieval):
         "prefill_seconds": round(float(np.mean([trial["prefill_seconds"] for trial in trials])), 4),
         "answer_seconds": round(float(np.mean([trial["answer_seconds"] for trial in trials])), 4),
         "heldout_fraction": round(sum(t["heldout_tokens"] for t in trials) / sum(t["prompt_tokens"] for t in trials), 4),
-        # The process's peak so far: lengths run in increasing order, so it is this length's peak.
-        "peak_rss_mb": round(peak_rss_mb(), 1),
+        # Each process's peak so far: lengths run in increasing order, so it is this length's peak.
+        "peak_rss_mb": max(peak_rss_per_rank), "ranks": len(peak_rss_per_rank), "peak_rss_mb_per_rank": peak_rss_per_rank,
     }
 
 
@@ -186,6 +190,7 @@ def main(argv=None):
         path = resolve_load_path(args.load)
         models, tokenizer = load_models(path, args)
         check_lengths(tokenizer, args)
+        group = join_trial_group(next(iter(models.values())).config, path)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -194,13 +199,14 @@ def main(argv=None):
     depths = list(args.depths) if args.depths is not None else spread_depths(args.trials)
     streams = {lang: heldout_stream(corpus, lang, tokenizer) for lang in args.langs}
     num_parameters = sum(p.numel() for p in next(iter(models.values())).parameters())
+    sharding = f", sharded over {group.size} ranks" if group else f", prefill chunk {args.prefill_chunk or 'whole prompt'}"
     print(f"model: {path}, {num_parameters / 1e6:.2f}M parameters, {config.attn_impl} attention, "
-          f"{torch.get_num_threads()} threads, prefill chunk {args.prefill_chunk or 'whole prompt'}")
+          f"{torch.get_num_threads()} threads{sharding}")
     seed = training_seed(path)
-    rows, trial_rows = evaluate(models, seed, tokenizer, streams, args, depths)
+    rows, trial_rows = evaluate(models, seed, tokenizer, streams, args, depths, group)
     print_table(rows)
 
-    if args.json:
+    if args.json and not (group and group.rank):
         json_path = Path(args.json)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         run_config = {
@@ -209,7 +215,7 @@ def main(argv=None):
             "hnsw_ef_search": config.hnsw_ef_search, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,
             "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "needle_seed": args.seed, "model_seed": seed,
-            "threads": torch.get_num_threads(), "device": args.device,
+            "threads": torch.get_num_threads(), "device": args.device, "ranks": group.size if group else 1,
         }
         json_path.write_text(json.dumps({"config": run_config, "rows": rows, "trials": trial_rows}, indent=2,
                                         ensure_ascii=False) + "\n", encoding="utf-8")

@@ -4,6 +4,7 @@
     python scripts/eval_passkey.py --load out/long_ann --attn ann --retrieval hnsw --lengths 65536 \\
         --depths 0.5 --threads 1 --json out/passkey_hnsw.json
     python scripts/eval_passkey.py --load out/long_dense --trials 10 --lang zh
+    torchrun --standalone --nproc_per_node 2 scripts/eval_passkey.py --load out/long_ann --lengths 262144
 
 The prompt is the Landmark Attention passkey test, worded exactly like the documents of
 dataset/sample/passkey_long.jsonl (both come from evaluation/passkey.py): the instruction, the
@@ -17,11 +18,13 @@ A trial counts as correct when the first integer of the greedy continuation equa
 Prompts are built to a target length in tokens by choosing how many filler sentences to use, and
 the depth (0 = right after the instruction, 1 = right before the question) is a fraction of them.
 Generation goes through model.stream_generate, which prefills the prompt through the KV cache in
---prefill_chunk tokens at a time, so memory stays bounded at 64k-131k tokens.
+--prefill_chunk tokens at a time, so memory stays bounded at 64k-131k tokens. Under torchrun (ANN
+attention only) each prompt is split by position over the ranks, one shard of the KV cache each
+(model/context_parallel.py); rank 0 prints and writes, with every rank's peak RSS.
 
 --load takes a model folder, an out dir or a checkpoint .pt (evaluation/loading.py), and
 --attn/--retrieval switch the same weights between dense and ANN attention.
---json PATH writes {"config", "rows", "peak_rss_mb"} and a plot next to it (PATH with .png).
+--json PATH writes {"config", "rows", "peak_rss_mb", "peak_rss_mb_per_rank"} and a plot next to it (PATH with .png).
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
 
@@ -45,7 +48,7 @@ from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
 from evaluation.passkey import PASSKEY_TEXTS, build_prompt, digits_right, parse_answer, random_key
-from evaluation.trials import peak_rss_mb, run_trial, spread_depths
+from evaluation.trials import join_trial_group, peak_rss_mb, ranks_peak_rss_mb, run_trial, spread_depths
 from model.config import ATTN_IMPLS, RETRIEVERS
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -54,8 +57,9 @@ DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model, tokenizer, lengths, depths, args):
+def evaluate(model, tokenizer, lengths, depths, args, group=None):
     """One trial per (length, depth), keys from one seeded RNG -> rows for the table and the JSON.
+    With a context-parallel group each prompt is sharded over its ranks.
 
     The keys depend only on --seed, so dense and ANN runs with the same seed see the same prompts.
     """
@@ -70,7 +74,7 @@ def evaluate(model, tokenizer, lengths, depths, args):
             key = random_key(rng)
             prompt_ids = build_prompt(tokenizer, length, depth, key, args.lang)
             text, prefill_s, total_s = run_trial(model, tokenizer, prompt_ids, args.prefill_chunk,
-                                                 args.max_new_tokens)
+                                                 args.max_new_tokens, group)
             correct = parse_answer(text) == key
             print(f"length {length:>7} ({len(prompt_ids)} tokens) depth {depth:.2f} key {key} -> {text!r} "
                   f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, total {total_s:.2f}s", flush=True)
@@ -177,6 +181,7 @@ def main(argv=None):
                 build_prompt(tokenizer, length, 0.0, 10000, args.lang)
             except ValueError as error:
                 raise UsageError(f"--lengths: {error}") from None
+        group = join_trial_group(model.config, path)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -187,12 +192,14 @@ def main(argv=None):
         attention += (f" (window {config.ann_window}, blocks of {config.ann_block_size}, top {config.ann_top_n}, "
                       f"{config.ann_retrieval} retrieval)")
     num_parameters = sum(p.numel() for p in model.parameters())
+    sharding = f", sharded over {group.size} ranks" if group else f", prefill chunk {args.prefill_chunk or 'whole prompt'}"
     print(f"model: {path}, {num_parameters / 1e6:.2f}M parameters, {attention} attention, "
-          f"{torch.get_num_threads()} threads, prefill chunk {args.prefill_chunk or 'whole prompt'}")
-    rows = evaluate(model, tokenizer, args.lengths, depths, args)
+          f"{torch.get_num_threads()} threads{sharding}")
+    rows = evaluate(model, tokenizer, args.lengths, depths, args, group)
     print_table(rows)
+    peak_per_rank = ranks_peak_rss_mb(group)
 
-    if args.json:
+    if args.json and not (group and group.rank):
         json_path = Path(args.json)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         run_config = {
@@ -201,9 +208,9 @@ def main(argv=None):
             "hnsw_m": config.hnsw_m, "hnsw_ef_search": config.hnsw_ef_search,
             "parameters": num_parameters, "lang": args.lang, "lengths": args.lengths, "depths": depths,
             "prefill_chunk": args.prefill_chunk, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-            "threads": torch.get_num_threads(), "device": args.device,
+            "threads": torch.get_num_threads(), "device": args.device, "ranks": group.size if group else 1,
         }
-        result = {"config": run_config, "rows": rows, "peak_rss_mb": round(peak_rss_mb(), 1)}
+        result = {"config": run_config, "rows": rows, "peak_rss_mb": max(peak_per_rank), "peak_rss_mb_per_rank": peak_per_rank}
         json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         title = f"passkey retrieval ({attention}): {path}"
         short = f"{config.attn_impl}, {config.ann_retrieval}" if config.attn_impl == "ann" else config.attn_impl

@@ -55,6 +55,10 @@ def cases(world):
         "shorter_than_world_blocks": ({}, short, split_by_blocks(short, world, BLOCK)),
         "one_position_shards": ({}, 61, (0,) + tuple(range(41, 41 + world - 1)) + (61,)),
         "true_positions_mean": ({"ann_block_position": "true", "ann_block_summary": "mean"}, 101, even_bounds(101, world)),
+        # Each rank searches HNSW graphs over its own blocks; at this size their recall is 1, so
+        # the answer is the single process's exact one.
+        "hnsw_per_shard": ({"ann_retrieval": "hnsw"}, 157, even_bounds(157, world)),
+        "auto_per_shard": ({"ann_retrieval": "auto", "ann_auto_threshold": 6}, 157, even_bounds(157, world)),
     }
 
 
@@ -75,9 +79,11 @@ def prompt(length):
 
 
 def references(world):
-    """{case name: reference()} of every case: computed once before the fork, shared by the ranks."""
+    """{case name: reference()} of every case, always with exact retrieval: computed once before the
+    fork, shared by the ranks."""
     with torch.no_grad():
-        return {name: reference(tiny_model(**settings), prompt(length)) for name, (settings, length, _) in cases(world).items()}
+        return {name: reference(tiny_model(**{**settings, "ann_retrieval": "exact"}), prompt(length))
+                for name, (settings, length, _) in cases(world).items()}
 
 
 TRAIN_SETTINGS = {"ann_window": 8, "ann_block_size": 4, "ann_top_n": 2}  # 37 positions: up to 7 candidate blocks

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import faiss
+import pytest
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
@@ -95,6 +96,21 @@ def test_bench_retrieval_synthetic_keys(tmp_path):
     assert "recommended ann_auto_threshold" in out
 
 
+def test_bench_retrieval_sharded_graphs_merge_to_the_exact_top_n(tmp_path):
+    """64 blocks over 1 and 3 shards: each shard's graph holds at most 64 nodes, fewer than efSearch 64,
+    so its search sees every block and the merged answer must be the exact one (recall 1)."""
+    json_path = tmp_path / "retrieval.json"
+    out = run_script(["benchmarks/bench_retrieval.py", "--blocks", "64", "--shards", "1", "3", "--ef_sweep", "16",
+                      "--decode_queries", "5", "--prefill_queries", "16", "--prefill_repeats", "1", "--threads", "1",
+                      "--json", str(json_path)])
+    sharded = load_outputs(json_path)["sharded"]
+    assert sorted((row["shards"], row["ef_search"]) for row in sharded) == [(1, 16), (1, 64), (3, 16), (3, 64)]
+    for row in sharded:
+        assert row["blocks"] == 64 and row["prefill_ms"] > 0 and row["build_ms"] > 0 and 0 <= row["recall"] <= 1
+    assert all(row["recall"] == 1.0 for row in sharded if row["ef_search"] == 64)
+    assert "HNSW per shard, merged" in out
+
+
 def test_bench_retrieval_model_keys(tmp_path):
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -132,12 +148,28 @@ def test_bench_serving(tmp_path):
     assert "ttft cached s" in out
 
 
-def test_bench_context_parallel(tmp_path):
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
+def test_bench_context_parallel(tmp_path, retrieval):
     json_path = tmp_path / "context_parallel.json"
     run_script(["benchmarks/bench_context_parallel.py", "--length", "256", "--ranks", "1", "2", "--decode_steps", "2",
-                "--json", str(json_path)])
+                "--retrieval", retrieval, "--json", str(json_path)])
     report = load_outputs(json_path)
+    assert report["config"]["retrieval"] == retrieval and {row["retrieval"] for row in report["rows"]} == {retrieval}
     assert [(row["world"], row["rank"]) for row in report["rows"]] == [(1, 0), (2, 0), (2, 1)]
     assert all(row["prefill_s"] > 0 and row["decode_ms"] > 0 for row in report["rows"])
     assert [row["bytes_per_token"] > 0 for row in report["rows"]] == [False, True, True]
     assert [row["machines"] for row in report["plan"]] == [64, 256, 1024]
+
+
+def test_profile_ann_forward_parts_add_up(tmp_path):
+    json_path = tmp_path / "parts.json"
+    out = run_script(["benchmarks/profile_ann_forward.py", "--lengths", "1536", "2048", "--window", "32", "--repeats", "1",
+                      "--threads", "1", "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [row["seq_len"] for row in rows] == [1536, 2048]  # past 1024 queries: the tiled path
+    for row in rows:
+        parts = [row[f"{part}_ms"] for part in ("queries", "selection", "gather", "attend", "rest")]
+        assert all(part >= 0 for part in parts) and row["selection_ms"] > 0 and row["attend_ms"] > 0
+        assert abs(sum(parts) - row["profiled_ms"]) <= 1e-6 * row["profiled_ms"] + 1e-9
+        assert row["dense_ms"] > 0 and row["ratio"] > 0
+    assert "without selection / dense" in out

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from evaluation.loading import load_model
 from scripts import collect_long_context, eval_needles, eval_perplexity, make_prose_data
 from tests.prose_corpus import write_corpus
+from tests.torchrun_launch import torchrun
 from trainer import train_pretrain
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +88,31 @@ def test_dense_model_skips_lengths_past_its_cap(trained, corpus_dir, tmp_path, c
                               "--json", str(json_path)]) == 0
     rows = json.loads(json_path.read_text())["rows"]
     assert [(row["length"], row["retrieval"]) for row in rows] == [(300, None)]
+
+
+def test_torchrun_launch_shards_every_prompt_and_answers_as_one_process(trained, corpus_dir, tmp_path):
+    """2 ranks, each holding half of every prompt's KV cache: the same greedy answers as one process,
+    for exact retrieval and for HNSW graphs per shard."""
+    argv = ["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "600", "--tasks", "single", "multikey",
+            "--langs", "en", "zh", "--trials", "2", "--threads", "1"]
+    assert eval_needles.main([*argv, "--json", str(tmp_path / "one.json")]) == 0
+    launched = torchrun(2, "scripts/eval_needles.py", *argv, "--json", str(tmp_path / "two.json"))
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "sharded over 2 ranks" in launched.stdout and launched.stdout.count("model: ") == 1  # rank 0 reports
+    one, two = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
+    fields = ("task", "lang", "depth", "retrieval", "values", "answer", "correct", "prompt_tokens")
+    assert [[t[f] for f in fields] for t in two["trials"]] == [[t[f] for f in fields] for t in one["trials"]]
+    assert two["config"]["ranks"] == 2 and len(two["trials"]) == 16
+    for row in two["rows"]:
+        assert row["ranks"] == 2 and len(row["peak_rss_mb_per_rank"]) == 2 and row["peak_rss_mb"] == max(row["peak_rss_mb_per_rank"])
+
+
+def test_torchrun_launch_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):
+    original = eval_needles.load_model
+    monkeypatch.setattr(eval_needles, "load_model", lambda path, attn, retrieval, device: original(path, "dense", None, device))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300"]) == 2
+    assert "a torchrun launch shards ANN attention only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -25,6 +25,7 @@ from evaluation.passkey import (
 )
 from model import MiniMindConfig, MiniMindForCausalLM
 from scripts import eval_passkey, probe_copying
+from tests.torchrun_launch import torchrun
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KEY = 48213
@@ -176,6 +177,20 @@ def test_same_seed_same_keys_for_dense_and_ann(tiny_model_dir, tmp_path, capsys)
 def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv):
     assert eval_passkey.main(["--load", str(tiny_model_dir), *argv]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_torchrun_launch_answers_as_one_process(tiny_model_dir, tmp_path):
+    """3 ranks, each holding a third of every prompt's KV cache: the same greedy answers as one process."""
+    argv = ["--load", str(tiny_model_dir), "--lengths", "200", "300", "--trials", "2", "--attn", "ann",
+            "--max_new_tokens", "4", "--threads", "1"]
+    assert eval_passkey.main([*argv, "--json", str(tmp_path / "one.json")]) == 0
+    launched = torchrun(3, "scripts/eval_passkey.py", *argv, "--json", str(tmp_path / "three.json"))
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    one, three = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "three"))
+    fields = ("length", "depth", "key", "answer", "accuracy", "prompt_tokens")
+    assert [[row[f] for f in fields] for row in three["rows"]] == [[row[f] for f in fields] for row in one["rows"]]
+    assert three["config"]["ranks"] == 3 and len(three["peak_rss_mb_per_rank"]) == 3
+    assert "sharded over 3 ranks" in launched.stdout
 
 
 def test_runs_as_a_file():
