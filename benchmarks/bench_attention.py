@@ -35,10 +35,11 @@ import torch
 
 from benchmarks.common import (
     Extrapolator,
-    build_core,
     PeakMemory,
     add_allocator_flag,
+    add_attention_row_flags,
     apply_allocator,
+    build_core,
     format_table,
     machine_info,
     measure_group,
@@ -54,29 +55,19 @@ from benchmarks.common import (
     write_json,
 )
 from common.cli import DTYPES
-from model.config import MiniMindConfig
 
 IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
 MODES = ("fwd", "fwd_bwd", "decode")
-DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv=None):
-    defaults = MiniMindConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144, 1048576])
     p.add_argument("--decode_lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072, 1048576])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--max_bwd_len", type=int, default=8192, help="fwd_bwd rows only up to this length")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv_heads", type=int, default=2)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--window", type=int, default=defaults.ann_window)
-    p.add_argument("--block_size", type=int, default=defaults.ann_block_size)
-    p.add_argument("--top_n", type=int, default=defaults.ann_top_n)
-    p.add_argument("--auto_threshold", type=int, default=defaults.ann_auto_threshold, help="candidate blocks")
+    add_attention_row_flags(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed calls (decode: steps) before timing")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per row; the median is reported")
     p.add_argument("--decode_steps", type=int, default=20, help="timed decode steps per row")
@@ -84,8 +75,6 @@ def parse_args(argv=None):
     p.add_argument("--max_prefill_len", type=int, default=131072,
                    help="longer ANN decode caches are written (keys, values, block summaries), not prefilled")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--mem_limit_gb", type=float, default=16.0, help="skip rows estimated to need more")
     p.add_argument("--max_row_s", type=float, default=90.0, help="skip rows estimated to take longer")
     p.add_argument("--seed", type=int, default=0)

@@ -328,6 +328,24 @@ def plot_panels(png_path, title, panels):
 # head_dim, window, block_size, top_n, auto_threshold, device, dtype).
 
 
+ATTENTION_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_attention_row_flags(parser):
+    """The flags of an attention row's shape and core settings (what build_core and random_qkv read)."""
+    defaults = MiniMindConfig()
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv_heads", type=int, default=2)
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--window", type=int, default=defaults.ann_window)
+    parser.add_argument("--block_size", type=int, default=defaults.ann_block_size)
+    parser.add_argument("--top_n", type=int, default=defaults.ann_top_n)
+    parser.add_argument("--auto_threshold", type=int, default=defaults.ann_auto_threshold, help="candidate blocks")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=ATTENTION_DTYPES, default="float32")
+
+
 def build_core(settings, impl):
     config = MiniMindConfig(
         hidden_size=settings["heads"] * settings["head_dim"],

@@ -28,6 +28,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.common import (
+    add_attention_row_flags,
     build_core,
     format_table,
     machine_info,
@@ -40,29 +41,18 @@ from benchmarks.common import (
     write_json,
 )
 from model import ann_attention
-from model.config import MiniMindConfig
 
 PARTS = ("queries", "selection", "gather", "attend", "rest")
 
 
 def parse_args(argv=None):
-    defaults = MiniMindConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--retrieval", choices=("exact", "hnsw", "auto"), default="exact")
     p.add_argument("--dense_max_len", type=int, default=65536, help="longer rows skip dense (quadratic)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv_heads", type=int, default=2)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--window", type=int, default=defaults.ann_window)
-    p.add_argument("--block_size", type=int, default=defaults.ann_block_size)
-    p.add_argument("--top_n", type=int, default=defaults.ann_top_n)
-    p.add_argument("--auto_threshold", type=int, default=defaults.ann_auto_threshold)
+    add_attention_row_flags(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here")
     return p.parse_args(argv)
