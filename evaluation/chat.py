@@ -1,8 +1,14 @@
-"""Chat prompts: the token ids of the next prompt cut to fit the context, and the preset prompts.
+"""Chat prompts: the token ids of the next prompt cut to fit the context, the preset prompts, and the
+next-token choice of a context-parallel answer.
 
 The preset prompts ask for facts of the sample data's invented world (scripts/make_sample_data.py
 writes the SFT answers they expect), so a model trained on it can be scored on them.
 """
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+)
 
 from common.cli import UsageError
 
@@ -69,3 +75,17 @@ class PromptBuilder:
                          f"(max_context {self.max_context} - max_new_tokens {max_new_tokens} leaves {budget})")
             message_ids = message_ids[-room:]
         return before + message_ids + after, notes
+
+
+def token_chooser(temperature, top_p, top_k):
+    """logits (1, vocab) -> (1, 1) the next token, as transformers' generate picks it with these
+    settings: greedy at temperature 0, else its temperature, top-k and top-p warpers, in its order,
+    and one multinomial draw from the global random generator."""
+    if not temperature:
+        return lambda logits: logits.argmax(-1, keepdim=True)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    return lambda logits: torch.multinomial(warpers(None, logits.float()).softmax(-1), 1)

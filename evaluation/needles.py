@@ -11,6 +11,9 @@ Tasks:
 
 A document is an instruction, haystack sentences with the key sentences between them, and the
 question; a training document also holds the answer, the evaluation's prompt stops right before it.
+A drill (training only) is a multikey document whose every key sentence is followed at once by its
+own question and answer: a copy target every few dozen tokens, each a short way back, where a
+needle document holds one at its end.
 Numbers have 5-7 digits (the first not 0) and differ within a document; labels are an adjective and
 a noun from word lists. Everything is drawn from a random.Random, so a seed fixes a document.
 Data building (scripts/make_prose_data.py) and evaluation (scripts/eval_needles.py) both take the
@@ -84,6 +87,7 @@ class Needles:
     lang: str
     sentences: tuple  # ((label, value, depth), ...)
     asked: str
+    drilled: bool = False  # each key sentence followed by its question and answer
 
     @property
     def values(self):
@@ -110,13 +114,16 @@ def random_value(rng, taken):
             return value
 
 
-def draw_needles(rng, task, lang, depth, num_keys=None, num_values=None):
+def draw_needles(rng, task, lang, depth, num_keys=None, num_values=None, drilled=False):
     """The needles of one document: the asked-for sentence (multivalue: the first of its label's)
     at `depth`, every other key sentence at a depth drawn uniformly from 0..1.
 
     num_keys / num_values default to a draw from the task's range (KEY_RANGE, VALUE_RANGE).
+    drilled: a drill (multikey only): every key sentence is asked right after it.
     """
     check_task(task, lang)
+    if drilled and task != "multikey":
+        raise ValueError(f"a drill is a multikey document, got task {task!r}")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     texts = NEEDLE_TEXTS[lang]
@@ -139,7 +146,7 @@ def draw_needles(rng, task, lang, depth, num_keys=None, num_values=None):
                 # A multivalue label's other numbers lie after the one at `depth`.
                 at = rng.uniform(depth, 1.0) if task == "multivalue" else rng.random()
             sentences.append((label, value, at))
-    return Needles(task, lang, tuple(sentences), asked)
+    return Needles(task, lang, tuple(sentences), asked, drilled)
 
 
 def key_sentence(needles, label, value):
@@ -148,10 +155,21 @@ def key_sentence(needles, label, value):
     return template.format(label=label, value=value)
 
 
-def question(needles):
+def question(needles, label=None):
+    """The question for `label` (default: the asked one)."""
     texts = NEEDLE_TEXTS[needles.lang]
     template = texts.multivalue_question if needles.task == "multivalue" else texts.question
-    return template.format(label=needles.asked)
+    return template.format(label=needles.asked if label is None else label)
+
+
+def inserted_text(needles, label, value):
+    """What goes into the haystack for one key sentence: the sentence, in a drill followed by its
+    question and answer ("... is 4821937. What is ...? The special magic number for L is 4821937.")."""
+    sentence = key_sentence(needles, label, value)
+    if not needles.drilled:
+        return sentence
+    texts = NEEDLE_TEXTS[needles.lang]
+    return texts.joiner.join([sentence, question(needles, label)]) + texts.joiner + str(value) + texts.answer_end
 
 
 def answer(needles):
@@ -174,7 +192,7 @@ def prompt_text(needles, pieces):
     texts = NEEDLE_TEXTS[needles.lang]
     inserts = {}
     for label, value, at in needles.ordered():
-        inserts.setdefault(round(at * len(pieces)), []).append(key_sentence(needles, label, value))
+        inserts.setdefault(round(at * len(pieces)), []).append(inserted_text(needles, label, value))
     parts = [texts.intro + texts.joiner]
     for index in range(len(pieces) + 1):
         for sentence in inserts.get(index, []):
@@ -281,16 +299,26 @@ def shortest_prompt(tokenizer, task, lang):
     return len(tokenizer(prompt_text(needles, []) + answer(needles), add_special_tokens=False).input_ids)
 
 
-def training_documents(rng, streams, tokenizer, count, tasks, min_tokens, max_tokens):
-    """`count` training documents {"text", "task", "lang", "tokens"}: each a uniformly drawn task and
-    language (streams: {lang: PieceStream of training prose}), length in min_tokens..max_tokens
-    (prompt tokens; the answer follows), depth uniform in 0..1, haystack from a random piece."""
+DRILL_KEYS = (2, 6)
+
+
+def training_documents(rng, streams, tokenizer, count, tasks, min_tokens, max_tokens, drill_fraction=0.0):
+    """`count` training documents {"text", "task", "lang", "tokens", "drill"}: each a uniformly drawn
+    task and language (streams: {lang: PieceStream of training prose}), length in
+    min_tokens..max_tokens (prompt tokens; the answer follows), depth uniform in 0..1, haystack from
+    a random piece. A share `drill_fraction` of them are drills (task multikey, DRILL_KEYS keys),
+    lengthened where their key lines alone exceed the drawn length."""
     langs = sorted(streams)
     for _ in range(count):
-        task, lang = rng.choice(tasks), rng.choice(langs)
-        needles = draw_needles(rng, task, lang, rng.random())
+        # No draw when there are no drills: a mix without them stays what it was.
+        drilled = drill_fraction > 0 and rng.random() < drill_fraction
+        task, lang = ("multikey" if drilled else rng.choice(tasks)), rng.choice(langs)
+        needles = draw_needles(rng, task, lang, rng.random(), num_keys=rng.randint(*DRILL_KEYS) if drilled else None,
+                               drilled=drilled)
         stream = streams[lang]
-        ids, span = build_prompt(tokenizer, stream, needles, rng.randint(min_tokens, max_tokens),
-                                 rng.randrange(stream.rotate))
+        length = rng.randint(min_tokens, max_tokens)
+        if drilled:
+            length = max(length, len(tokenizer(prompt_text(needles, []), add_special_tokens=False).input_ids) + 16)
+        ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
         text = prompt_text(needles, stream.texts(span)) + answer(needles)
-        yield {"text": text, "task": task, "lang": lang, "tokens": len(ids)}
+        yield {"text": text, "task": task, "lang": lang, "tokens": len(ids), "drill": drilled}

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from common.cli import UsageError
-from model.context_parallel import ContextParallelLM, join_launch_group, split_by_blocks
+from model.context_parallel import join_launch_group, shard_prompt
 
 
 def spread_depths(trials):
@@ -46,9 +46,7 @@ def run_trial(model, tokenizer, prompt_ids, prefill_chunk, max_new_tokens, group
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     if group is not None:
         start = time.perf_counter()
-        bounds = split_by_blocks(len(prompt_ids), group.size, model.config.ann_block_size)
-        sharded = ContextParallelLM(model, group, bounds)
-        local_ids = torch.tensor([prompt_ids[bounds[group.rank] : bounds[group.rank + 1]]])
+        sharded, local_ids = shard_prompt(model, group, prompt_ids)
         answer_ids, prefill_s = sharded.greedy(local_ids, max_new_tokens, end_ids)
         return tokenizer.decode(answer_ids, skip_special_tokens=True), prefill_s, time.perf_counter() - start
     input_ids = torch.tensor([prompt_ids], device=model.device)

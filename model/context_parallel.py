@@ -124,6 +124,15 @@ class ShardGroup:
         self.run("broadcast", lambda: dist.broadcast(tensor, dist.get_global_rank(self.group, src), group=self.group), tensor)
         return tensor
 
+    def broadcast_text(self, text, src):
+        """text (a str or None, read on rank src) -> the same on every rank."""
+        data = torch.tensor(list(text.encode("utf-8")) if text is not None else [], dtype=torch.uint8)
+        size = self.broadcast(torch.tensor([-1 if text is None else data.numel()]), src)
+        if int(size) < 0:
+            return None
+        data = data if self.rank == src else torch.empty(int(size), dtype=torch.uint8)
+        return bytes(self.broadcast(data, src).tolist()).decode("utf-8") if int(size) else ""
+
     def all_reduce_in_place(self, tensor, op):
         self.run("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=self.group), tensor)
         return tensor
@@ -176,6 +185,14 @@ def join_launch_group(timeout_s=1800.0):
     if world_size == 1:
         return None
     return join_group(int(os.environ["RANK"]), world_size, "env://", timeout_s)
+
+
+def shard_prompt(model, group, prompt_ids):
+    """(ContextParallelLM over `group` for a prompt of len(prompt_ids) tokens, this rank's ids (1, s)):
+    the prompt split into whole blocks (split_by_blocks)."""
+    bounds = split_by_blocks(len(prompt_ids), group.size, model.config.ann_block_size)
+    local_ids = torch.tensor([prompt_ids[bounds[group.rank] : bounds[group.rank + 1]]], dtype=torch.long)
+    return ContextParallelLM(model, group, bounds), local_ids
 
 
 def split_by_blocks(length, world_size, block_size):
@@ -480,21 +497,37 @@ class ContextParallelLM:
         with torch.no_grad():  # inference: the reduce onto each tile's owner carries no gradient
             return self.run_layers(local_ids, self.shards.lo(self.group.rank), last_only)
 
+    def stream(self, local_ids, max_new_tokens, choose=None):
+        """Yield the continuation of the sharded prompt (local_ids as prefill's) one token id at a time,
+        the same on every rank. choose(logits (1, vocab)) -> (1, 1) token (default: greedy) runs on
+        rank 0, which broadcasts its choice, so sampled tokens are draws of rank 0's random generator
+        alone, as in one process. Stopping reading stops decoding."""
+        choose = choose or (lambda logits: logits.argmax(-1, keepdim=True))
+        logits = self.prefill(local_ids, last_only=True)  # (1, 0, vocab) on a rank holding no position
+        holding = [rank for rank in range(self.group.size) if self.shards.hi(rank) > self.shards.lo(rank)]
+        owner = holding[-1]  # holds the prompt's last position; decoded logits are on every rank
+        if owner != 0:
+            buffer = logits[:, -1] if self.group.rank == owner else logits.new_empty(1, logits.shape[-1])
+            logits = self.group.broadcast(buffer.contiguous(), owner)[:, None]
+        logits = logits[:, -1] if self.group.rank == 0 else None
+        for step in range(max_new_tokens):
+            token = choose(logits) if self.group.rank == 0 else torch.zeros(1, 1, dtype=torch.long)
+            self.group.broadcast(token, 0)
+            yield int(token)
+            if step + 1 < max_new_tokens:
+                logits = self.decode(token)[:, -1]
+
     def greedy(self, local_ids, max_new_tokens, end_ids=()):
         """Greedy continuation of the sharded prompt (local_ids as prefill's) -> (new token ids, seconds
         to the first), the same on every rank. Stops before an end id or after max_new_tokens."""
         start = time.perf_counter()
-        logits = self.prefill(local_ids, last_only=True)
-        holding = [rank for rank in range(self.group.size) if self.shards.hi(rank) > self.shards.lo(rank)]
-        owner = holding[-1]  # holds the prompt's last position
-        token = logits[:, -1:].argmax(-1) if self.group.rank == owner else torch.zeros(1, 1, dtype=torch.long)
-        self.group.broadcast(token, owner)
-        first_token_s = time.perf_counter() - start
-        new_ids = []
-        while int(token) not in end_ids and len(new_ids) < max_new_tokens:
-            new_ids.append(int(token))
-            if len(new_ids) < max_new_tokens:
-                token = self.decode(token)[:, -1:].argmax(-1)
+        new_ids, first_token_s = [], None
+        for token in self.stream(local_ids, max_new_tokens):
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - start
+            if token in end_ids:
+                break
+            new_ids.append(token)
         return new_ids, first_token_s
 
     def check_length(self, local_ids):

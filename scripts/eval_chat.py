@@ -5,6 +5,7 @@
     python scripts/eval_chat.py --prompt "What is 3 + 5?" --temperature 0
     python scripts/eval_chat.py --load out/pretrain/checkpoints/step_0000100.pt --raw --prompt "Zorvia is"
     python scripts/eval_chat.py --attn ann --retrieval hnsw        # same weights, ANN attention
+    torchrun --standalone --nproc_per_node 2 scripts/eval_chat.py --load out/long_ann --raw --prompt "..."
 
 --load takes a saved model folder, an out dir (its model/ folder, else its newest checkpoint) or a
 checkpoint .pt written by the trainers. Attention settings change no weights, so --attn/--retrieval
@@ -13,6 +14,10 @@ may switch any model between dense and ANN attention.
 Answers stream as they are generated. The prompt is the chat template over the system prompt, the
 last --history_turns exchanges and the new message; when it does not fit --max_context together
 with --max_new_tokens, the oldest exchanges go first, then the start of the new message.
+
+Under torchrun (ANN attention only) every prompt is sharded over the ranks (model/context_parallel.py):
+rank 0 reads the chat's input and prints, the others follow; answers are rank 0's choices, the same
+as one process's (greedy) or draws of the same random generator (sampled).
 
 In chat mode, `/set temperature 0.5` (also top_p, top_k, max_new_tokens) changes a setting,
 `/clear` forgets the history and `/help` lists the commands; Ctrl-C stops the current answer.
@@ -32,9 +37,11 @@ from transformers.utils import logging as transformers_logging
 
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from evaluation.chat import PromptBuilder, preset_prompts
+from evaluation.chat import PromptBuilder, preset_prompts, token_chooser
 from evaluation.loading import check_device, load_model, resolve_load_path
+from evaluation.trials import join_trial_group
 from model.config import ATTN_IMPLS, RETRIEVERS
+from model.context_parallel import shard_prompt
 from model.model import check_sampling
 
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int}
@@ -79,22 +86,34 @@ def validate_args(args):
 # ----------------------------------------------------------------------------- generation
 
 
-def stream_answer(model, tokenizer, prompt_ids, sampling, out):
-    """Generate, printing text as it arrives; returns the answer text.
+def answer_tokens(model, prompt_ids, sampling, eos_token_id, group=None):
+    """The answer's token ids as they are generated: model.stream_generate in one process, the
+    sharded prompt's ContextParallelLM.stream under a context-parallel group."""
+    if group is None:
+        input_ids = torch.tensor([prompt_ids], device=model.device)
+        for token in model.stream_generate(input_ids, eos_token_id=eos_token_id, **sampling):
+            yield int(token)
+        return
+    sharded, local_ids = shard_prompt(model, group, prompt_ids)
+    choose = token_chooser(sampling["temperature"], sampling["top_p"], sampling["top_k"])
+    yield from sharded.stream(local_ids, sampling["max_new_tokens"], choose)
+
+
+def stream_answer(tokens, tokenizer, prompt_length, out):
+    """Print the answer as its tokens arrive; returns the answer text.
 
     Each step decodes the whole answer and prints only what is new, holding back a trailing U+FFFD:
     a Chinese character often spans several byte-level tokens and is undecodable until complete.
     """
-    input_ids = torch.tensor([prompt_ids], device=model.device)
     answer_ids, printed, first_token_s = [], "", None
     start = time.perf_counter()
     try:
-        for token in model.stream_generate(input_ids, eos_token_id=tokenizer.eos_token_id, **sampling):
+        for token in tokens:
             if first_token_s is None:
                 first_token_s = time.perf_counter() - start
-            if int(token) == tokenizer.eos_token_id:
+            if token == tokenizer.eos_token_id:
                 break
-            answer_ids.append(int(token))
+            answer_ids.append(token)
             text = tokenizer.decode(answer_ids, skip_special_tokens=True).rstrip("\ufffd")
             out.write(text[len(printed) :])
             out.flush()
@@ -105,15 +124,15 @@ def stream_answer(model, tokenizer, prompt_ids, sampling, out):
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
     out.write(text[len(printed) :] + "\n")
     out.write(f"[{len(answer_ids)} tokens, {len(answer_ids) / max(elapsed, 1e-9):.1f} tokens/s, "
-              f"prompt {len(prompt_ids)} tokens, first token after {first_token_s or 0:.2f}s]\n")
+              f"prompt {prompt_length} tokens, first token after {first_token_s or 0:.2f}s]\n")
     return text
 
 
 class Session:
     """The loaded model, the prompt builder, the sampling settings and the conversation so far."""
 
-    def __init__(self, model, tokenizer, builder, sampling, history_turns, out):
-        self.model, self.tokenizer, self.builder, self.out = model, tokenizer, builder, out
+    def __init__(self, model, tokenizer, builder, sampling, history_turns, out, group=None):
+        self.model, self.tokenizer, self.builder, self.out, self.group = model, tokenizer, builder, out, group
         self.sampling = sampling
         self.history = deque(maxlen=history_turns)
 
@@ -125,7 +144,8 @@ class Session:
         for note in notes:
             self.say(f"note: {note}")
         self.out.write("🤖: ")
-        text = stream_answer(self.model, self.tokenizer, prompt_ids, self.sampling, self.out)
+        tokens = answer_tokens(self.model, prompt_ids, self.sampling, self.tokenizer.eos_token_id, self.group)
+        text = stream_answer(tokens, self.tokenizer, len(prompt_ids), self.out)
         self.history.append((message, text))  # a deque of maxlen 0 keeps nothing
         return text
 
@@ -167,12 +187,22 @@ def run_preset(session):
     session.say(f"\n{correct}/{len(prompts)} preset answers contain the expected text")
 
 
-def run_chat(session):
-    session.say("chat: an empty line or Ctrl-D quits, /help lists the commands")
-    while True:
+def read_line(group):
+    """The next line of the chat's input (None at its end), read on rank 0 and sent to every rank."""
+    line = None
+    if group is None or group.rank == 0:
         try:
             line = input("\n👶: ")
         except (EOFError, KeyboardInterrupt):
+            line = None
+    return line if group is None else group.broadcast_text(line, 0)
+
+
+def run_chat(session):
+    session.say("chat: an empty line or Ctrl-D quits, /help lists the commands")
+    while True:
+        line = read_line(session.group)
+        if line is None:
             session.say("")
             return
         if not line:
@@ -200,6 +230,7 @@ def main(argv=None):
             raise UsageError(f"--max_context {max_context} exceeds the model's {positions} positions")
         builder = PromptBuilder(tokenizer, args.raw, args.system, max_context)
         builder.build("", [], args.max_new_tokens)  # fails now, not mid-chat, when no prompt can fit
+        group = join_trial_group(config, path)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -207,14 +238,15 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     attention = config.attn_impl + (f" ({config.ann_retrieval} retrieval)" if config.attn_impl == "ann" else "")
     print(f"model: {path}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {attention} "
-          f"attention, context {max_context}, device {args.device}")
+          f"attention, context {max_context}, device {args.device}"
+          + (f", sharded over {group.size} ranks" if group else ""))
     if args.retrieval and config.attn_impl != "ann":
         print("note: --retrieval only matters with ANN attention (--attn ann)")
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     max_new_tokens=args.max_new_tokens)
     # Preset answers are scored one by one, so they never see each other.
     history_turns = args.history_turns if args.mode == "chat" and not args.raw else 0
-    session = Session(model, tokenizer, builder, sampling, history_turns, sys.stdout)
+    session = Session(model, tokenizer, builder, sampling, history_turns, sys.stdout, group)
     if args.prompt is not None:
         session.say(f"👶: {args.prompt}")
         session.answer(args.prompt)

@@ -1,6 +1,7 @@
 """scripts/eval_chat.py: loading (folder, out dir, checkpoint: evaluation/loading.py, which refuses a
 checkpoint holding code), attention overrides, the three modes, streaming of multi-byte text,
-context truncation (evaluation/chat.py) and the one-line errors.
+context truncation (evaluation/chat.py), the one-line errors, and a torchrun launch that shards every
+prompt (model/context_parallel.py) and answers as one process does.
 
 Runs go in-process through main(argv) on a ~0.5M-parameter random model; one subprocess run checks
 the script starts as a file.
@@ -22,6 +23,7 @@ from transformers import AutoTokenizer
 from evaluation.chat import PromptBuilder, preset_prompts
 from model import MiniMindConfig, MiniMindForCausalLM
 from scripts import eval_chat
+from tests.torchrun_launch import torchrun
 from trainer import train_pretrain
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -209,13 +211,6 @@ def test_streaming_prints_whole_characters_only(tokenizer):
     token_ids = tokenizer(text, add_special_tokens=False).input_ids
     assert any("\ufffd" in tokenizer.decode(token_ids[:end]) for end in range(len(token_ids)))  # split characters
 
-    class ScriptedModel:
-        device = torch.device("cpu")
-
-        def stream_generate(self, input_ids, **sampling):
-            for token in token_ids + [tokenizer.eos_token_id]:
-                yield torch.tensor([token])
-
     class Recorder(io.StringIO):
         pieces = []
 
@@ -224,8 +219,7 @@ def test_streaming_prints_whole_characters_only(tokenizer):
             return super().write(piece)
 
     out = Recorder()
-    sampling = dict(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=32)
-    assert eval_chat.stream_answer(ScriptedModel(), tokenizer, [1], sampling, out) == text
+    assert eval_chat.stream_answer(iter(token_ids + [tokenizer.eos_token_id]), tokenizer, 1, out) == text
     assert out.getvalue().startswith(text + "\n")
     assert not any("\ufffd" in piece for piece in out.pieces)
 
@@ -261,3 +255,38 @@ def test_runs_as_a_module(dense_dir, capsys, monkeypatch):
         runpy.run_module("scripts.eval_chat", run_name="__main__")
     assert exit.value.code == 0
     assert "tokens/s" in capsys.readouterr().out
+
+
+def one_process(argv, stdin=""):
+    return subprocess.run([sys.executable, "scripts/eval_chat.py", *map(str, argv)], cwd=REPO_ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("case", ["preset_greedy", "long_prompt_sampled", "chat"])
+def test_torchrun_launch_answers_as_one_process(ann_dir, case):
+    """2 ranks, each holding part of every prompt's KV cache (the preset prompts are 1-2 blocks: one
+    rank may hold none; the long prompt runs past the 64-token window into retrieved blocks): the
+    same answers as one process, greedy and sampled (rank 0's draws of the same seeded generator
+    from logits within float tolerance), and in chat mode the commands reach every rank."""
+    argv = {
+        "preset_greedy": ["--load", ann_dir, *SHORT],
+        "long_prompt_sampled": ["--load", ann_dir, "--raw", "--prompt", "Zorvia is a country far away. " * 20,
+                                "--max_new_tokens", "12", "--temperature", "0.9", "--top_k", "40", "--top_p", "0.9"],
+        "chat": ["--load", ann_dir, "--mode", "chat", "--history_turns", "1", *SHORT],
+    }[case]
+    stdin = "hello\n/set max_new_tokens 3\nhow are you?\n/clear\nbye\n" if case == "chat" else ""
+    single = one_process(argv, stdin)
+    assert single.returncode == 0, single.stderr
+    launched = torchrun(2, "scripts/eval_chat.py", *map(str, argv), input=stdin)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "sharded over 2 ranks" in launched.stdout and launched.stdout.count("model: ") == 1  # rank 0 prints
+    assert answers(launched.stdout) == answers(single.stdout) and len(answers(single.stdout)) >= 1
+    if case == "chat":
+        assert len(answers(single.stdout)) == 3 and "max_new_tokens = 3" in launched.stdout
+        assert "[3 tokens" in launched.stdout and "history cleared" in launched.stdout
+
+
+def test_torchrun_launch_refuses_a_dense_model(dense_dir, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = run(["--load", dense_dir, "--prompt", "hi", *SHORT], capsys, monkeypatch)
+    assert code == 2 and "a torchrun launch shards ANN attention only" in err and err.count("\n") == 1

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from dataset.prose import heldout_stream, read_corpus, training_stream
 from evaluation.needles import (
     DIGITS_RANGE, KEY_RANGE, NEEDLE_TEXTS, TASKS, VALUE_RANGE, Needles, answer, build_prompt, draw_needles,
-    fit_pieces, key_sentence, parse_numbers, prompt_text, question, score, shortest_prompt, training_documents,
+    fit_pieces, inserted_text, key_sentence, parse_numbers, prompt_text, question, score, shortest_prompt,
+    training_documents,
 )
 from tests.prose_corpus import write_corpus
 
@@ -136,6 +137,24 @@ def test_too_short_a_length_is_refused(tokenizer):
         fit_pieces(tokenizer, needles, ["Some prose. "] * 10, 50)
     least = shortest_prompt(tokenizer, "multikey", "en")
     assert least > len(tokenizer(prompt_text(needles, [])).input_ids)
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_a_drill_asks_every_key_right_after_it(lang):
+    pieces = [f"Piece {i}. " if lang == "en" else f"第{i}句。" for i in range(30)]
+    needles = draw_needles(random.Random(2), "multikey", lang, 0.5, num_keys=4, drilled=True)
+    text = prompt_text(needles, pieces)
+    texts = NEEDLE_TEXTS[lang]
+    for label, value, _ in needles.sentences:
+        drilled = inserted_text(needles, label, value)
+        sentence = key_sentence(needles, label, value)
+        assert drilled == texts.joiner.join([sentence, question(needles, label)]) + texts.joiner + f"{value}{texts.answer_end}"
+        assert text.count(drilled) == 1
+    assert text.endswith(question(needles)) and text.count(question(needles)) == 2
+    plain = Needles(needles.task, lang, needles.sentences, needles.asked)
+    assert prompt_text(plain, pieces).count(question(needles)) == 1
+    with pytest.raises(ValueError, match="a drill is a multikey document"):
+        draw_needles(random.Random(2), "single", lang, 0.5, drilled=True)
 
 
 def test_training_documents_end_with_their_answer(tokenizer, corpus):

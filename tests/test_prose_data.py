@@ -117,6 +117,21 @@ def test_the_mix_holds_prose_and_needle_documents(built):
     assert all(d["text"].rstrip().endswith((".", "。")) for d in kinds["needle"])
 
 
+def test_drills_are_a_share_of_the_needle_documents(corpus_dir, tmp_path):
+    assert build(corpus_dir, tmp_path, "--drill_fraction", "0.5") == 0
+    documents = [json.loads(line) for line in (tmp_path / "prose_train.jsonl").read_text(encoding="utf-8").splitlines()]
+    needles = [d for d in documents if d["kind"] == "needle"]
+    drills = [d for d in needles if d["drill"]]
+    assert 0.3 < len(drills) / len(needles) < 0.7 and {d["task"] for d in drills} == {"multikey"}
+    metadata = json.loads((tmp_path / "prose_data.json").read_text())
+    assert metadata["drill_documents"] == len(drills)
+    assert metadata["needle_documents_by_task"]["multikey"] == sum(d["task"] == "multikey" for d in needles) - len(drills)
+    for drill in drills:  # every key asked right after it, and one of them again at the end
+        questions = drill["text"].count("What is the special magic number") + drill["text"].count("的特别魔法数字是多少")
+        keys = len(re.findall(r"\d{5,7}", drill["text"])) // 2
+        assert questions == keys + 1, drill["text"]
+
+
 def test_same_seed_same_bytes_other_seed_other_mix(corpus_dir, built, tmp_path):
     assert build(corpus_dir, tmp_path / "again") == 0
     assert (tmp_path / "again" / "prose_train.jsonl").read_bytes() == (built / "prose_train.jsonl").read_bytes()
@@ -135,9 +150,10 @@ def test_split_only_writes_just_the_texts(corpus_dir, tmp_path):
     (["--needle_min_tokens", "40"], "is shorter than the en single template"),
     (["--needle_max_tokens", "200"], "is below --needle_min_tokens"),
     (["--needle_fraction", "1"], "--needle_fraction must lie in [0, 1)"),
+    (["--drill_fraction", "1.5"], "--drill_fraction must lie in [0, 1]"),
     (["--tokenizer", "/nonexistent"], "no tokenizer.json"),
     (["--sources", "bible"], "invalid choice"),
-], ids=["task", "too-short", "max-below-min", "fraction", "tokenizer", "source"])
+], ids=["task", "too-short", "max-below-min", "fraction", "drills", "tokenizer", "source"])
 def test_bad_arguments_exit_2_with_one_line(corpus_dir, tmp_path, capsys, flags, message):
     assert build(corpus_dir, tmp_path, *flags) == 2
     err = capsys.readouterr().err

@@ -9,7 +9,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 
 
-def torchrun(ranks, script, *args):
-    """`torchrun --standalone --nproc_per_node ranks script args` from the repository root -> CompletedProcess."""
+def torchrun(ranks, script, *args, input=None):
+    """`torchrun --standalone --nproc_per_node ranks script args` from the repository root, `input` on
+    its stdin (rank 0 reads it) -> CompletedProcess."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), script, *args]
-    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(command, cwd=REPO_ROOT, input=input, capture_output=True, text=True, timeout=TIMEOUT_S)
