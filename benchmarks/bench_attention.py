@@ -1,8 +1,12 @@
-"""Attention cores alone: dense causal SDPA vs ANN attention (exact / hnsw / auto retrieval).
+"""Attention cores alone: dense causal SDPA vs ANN attention (exact / hnsw / auto retrieval), and
+FlexAttention baselines on request (--impls ... flex_causal flex_ann).
 
 Same random q/k/v for every implementation (batch --batch, --heads query heads, --kv_heads kv
 heads, head dim --head_dim); dense is model.model.dense_attention (GQA by repeat_interleave, then
 causal SDPA), ANN is model.ann_attention.AnnAttention with the config's window / block / top_n.
+flex_causal is torch's compiled flex_attention under a causal block mask, flex_ann the keys ANN
+attention reads with true positions as a block-sparse flex_attention mask (benchmarks/flex_cores.py;
+fwd and fwd_bwd rows only, compiled in each process's first, untimed call).
 Modes:
     fwd       one causal pass over seq_len tokens, no grad;
     fwd_bwd   the same with backward to q, k, v (only up to --max_bwd_len);
@@ -18,7 +22,8 @@ skipped, with the reason printed, when its memory or time extrapolated from the 
 its series would exceed --mem_limit_gb or --max_row_s.
 
     python benchmarks/bench_attention.py --json docs/bench/attention_cpu.json
-    python benchmarks/bench_attention.py --device cuda --dtype bfloat16 --json docs/bench/attention_cuda.json
+    python benchmarks/bench_attention.py --device cuda --dtype bfloat16 \
+        --impls dense ann_exact ann_auto flex_causal flex_ann --json docs/bench/attention_cuda.json
 """
 
 import argparse
@@ -56,8 +61,20 @@ from benchmarks.common import (
 )
 from common.cli import DTYPES
 
-IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto")
+IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto", "flex_causal", "flex_ann")
+DEFAULT_IMPLS = IMPLS[:4]
 MODES = ("fwd", "fwd_bwd", "decode")
+
+
+def flex_reason_to_skip(impl, mode, device):
+    """Why a FlexAttention row cannot run (benchmarks/flex_cores.py), or None."""
+    if not impl.startswith("flex_"):
+        return None
+    if mode == "decode":
+        return "FlexAttention baselines have no KV cache: fwd and fwd_bwd rows only"
+    if mode == "fwd_bwd" and torch.device(device).type == "cpu":
+        return "torch has no FlexAttention backward on CPU"
+    return None
 
 
 def parse_args(argv=None):
@@ -65,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144, 1048576])
     p.add_argument("--decode_lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072, 1048576])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS))
     p.add_argument("--max_bwd_len", type=int, default=8192, help="fwd_bwd rows only up to this length")
     add_attention_row_flags(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed calls (decode: steps) before timing")
@@ -97,13 +114,14 @@ def pass_call(settings, impl, mode, length):
             with torch.no_grad():
                 core(q, k, v, None, None, None, rope)
 
-        return call
-    upstream = torch.randn(q.shape, generator=generator, device=device, dtype=q.dtype)
+    else:
+        upstream = torch.randn(q.shape, generator=generator, device=device, dtype=q.dtype)
 
-    def call():
-        q.grad = k.grad = v.grad = None
-        core(q, k, v, None, None, None, rope).backward(upstream)
+        def call():
+            q.grad = k.grad = v.grad = None
+            core(q, k, v, None, None, None, rope).backward(upstream)
 
+    call.core = core
     return call
 
 
@@ -179,9 +197,14 @@ def measure_memory(settings, impl, *, mode, length):
         for _ in range(settings["warmup"] + 1):
             call()
         return {"peak_mb": memory.peak_mb(), **info}
+    call = pass_call(settings, impl, mode, length)
+    if impl.startswith("flex_"):
+        call()  # compilation's own memory is not the row's
     memory = PeakMemory(settings["device"])
-    pass_call(settings, impl, mode, length)()
+    call()
     synchronize(settings["device"])
+    if impl == "flex_ann":
+        return {"peak_mb": memory.peak_mb(), "tiles_vs_causal": call.core.tile_fraction}
     return {"peak_mb": memory.peak_mb()}
 
 
@@ -258,8 +281,9 @@ def main(argv=None):
     for mode, length in planned_groups(args):
         results, failed = measure_group(
             args.impls,
-            lambda impl: skip_reason(estimated_s(impl, mode, length), args.max_row_s,
-                                     memory_estimates[mode].predict((impl, mode), length), args.mem_limit_gb),
+            lambda impl: flex_reason_to_skip(impl, mode, args.device) or skip_reason(
+                estimated_s(impl, mode, length), args.max_row_s,
+                memory_estimates[mode].predict((impl, mode), length), args.mem_limit_gb),
             partial(measure_memory, settings, mode=mode, length=length),
             partial(measure_times, settings, mode=mode, length=length),
             lambda impl, reason: skip(impl, mode, length, reason),
@@ -278,6 +302,8 @@ def main(argv=None):
     add_ratios(rows)
     columns = [("impl", "impl", "{}"), ("mode", "mode", "{}"), ("seq_len", "seq_len", "{}"), ("ms", "ms", "{:.3f}"),
                ("peak_mb", "peak_mb", "{:.1f}"), ("ratio vs dense", "ratio", "{:.3f}")]
+    if any(row.get("tiles_vs_causal") is not None for row in rows):
+        columns.append(("flex key tiles / causal", "tiles_vs_causal", "{:.3f}"))
     if any(row.get("kv_cache_mb") for row in rows):
         columns += [("prefill_ms", "prefill_ms", "{:.0f}"), ("prefill_peak_mb", "prefill_peak_mb", "{:.1f}"),
                     ("kv_cache_mb", "kv_cache_mb", "{:.1f}")]

@@ -38,6 +38,8 @@ from model.config import MiniMindConfig
 from model.dense_attention import DenseAttention
 from model.rope import Rope
 
+from .flex_cores import FlexCore
+
 
 def add_allocator_flag(parser):
     parser.add_argument(
@@ -347,18 +349,23 @@ def add_attention_row_flags(parser):
 
 
 def build_core(settings, impl):
+    """dense, ann_exact / ann_hnsw / ann_auto, or the FlexAttention baselines flex_causal and
+    flex_ann (benchmarks/flex_cores.py: ANN's keys with true positions as a block-sparse mask)."""
     config = MiniMindConfig(
         hidden_size=settings["heads"] * settings["head_dim"],
         num_attention_heads=settings["heads"],
         num_key_value_heads=settings["kv_heads"],
         num_hidden_layers=1,
-        attn_impl="dense" if impl == "dense" else "ann",
+        attn_impl="ann" if impl.startswith("ann") else "dense",
         ann_window=settings["window"],
         ann_block_size=settings["block_size"],
         ann_top_n=settings["top_n"],
-        ann_retrieval="exact" if impl == "dense" else impl.removeprefix("ann_"),
+        ann_retrieval=impl.removeprefix("ann_") if impl.startswith("ann") else "exact",
         ann_auto_threshold=settings["auto_threshold"],
+        ann_block_position="true" if impl == "flex_ann" else "capped",
     )
+    if impl.startswith("flex_"):
+        return FlexCore(config, impl.removeprefix("flex_"))
     return DenseAttention(config) if impl == "dense" else AnnAttention(config)
 
 

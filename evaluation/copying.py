@@ -1,4 +1,5 @@
-"""Which part of passkey copying a model has learned: the loss on each answer digit, by kind and distance.
+"""Which part of copying a model has learned: the loss on each passkey answer digit, by kind and
+distance, and the loss on a real-text passage read again (repeated_passage_losses).
 
 Every answer "What is the pass key? The pass key is 71432." splits two ways:
   - first digit (` 7`, the token after "key is": the only space-prefixed digit) vs the four later
@@ -72,3 +73,22 @@ def probe(model, tokenizer, num_docs, seed, split=None):
                 total, count = sums.get((beyond, part), (0.0, 0))
                 sums[(beyond, part)] = (total + sum(values), count + len(values))
     return {key: (total / count, count) for key, (total, count) in sums.items()}
+
+
+def repeated_passage_losses(model, passages, length):
+    """How much a model gains from having read a passage before: the induction test on real text.
+
+    passages: token-id lists of P tokens each; each is repeated to `length` tokens and scored ->
+    (mean NLL of the first reading's tokens, mean NLL of the repeated readings' tokens). A model that
+    copies from P tokens back brings the second number near 0; one that cannot, near the first.
+    """
+    first, repeated = [], []
+    device = next(model.parameters()).device
+    for passage in passages:
+        ids = torch.tensor((passage * (length // len(passage) + 1))[:length], device=device)[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]
+        nll = F.cross_entropy(logits.float(), ids[0, 1:], reduction="none")
+        first.append(nll[: len(passage) - 1])
+        repeated.append(nll[len(passage) - 1 :])
+    return torch.cat(first).mean().item(), torch.cat(repeated).mean().item()

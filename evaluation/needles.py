@@ -269,21 +269,30 @@ def score(needles, text):
 # ----------------------------------------------------------------------------- documents in a haystack
 
 
-def build_prompt(tokenizer, stream, needles, length, start):
+def build_prompt(tokenizer, stream, needles, length, start, passage_tokens=None):
     """(token ids, HaystackSpan of the pieces used): the prompt of `needles` at about `length`
     tokens over the pieces `stream` (dataset/prose.py's PieceStream) reads from `start`.
+
+    With passage_tokens, the haystack is one passage of whole pieces holding at least that many
+    tokens, read from `start` and repeated: a haystack whose only surprise is the key sentences, as
+    in passkey filler, but in real prose.
 
     Pieces tokenized one by one take a few percent more tokens than joined (a line break merges
     with what follows it), so the span is read with a margin; the span's token counts are the
     prompt's, split between held-out and training text in the proportion of the pieces' counts.
     """
-    span = stream.take(start, int(length * 1.1) + 64)
-    ids, count = fit_pieces(tokenizer, needles, stream.texts(span), length,
-                            [stream.token_count(i) for i in span.indices])
-    used = span.indices[:count]
+    if passage_tokens is None:
+        indices = stream.take(start, int(length * 1.1) + 64).indices
+    else:
+        passage = stream.take(start, passage_tokens)
+        indices = passage.indices * (int(length * 1.1) // passage.tokens + 2)
+    ids, count = fit_pieces(tokenizer, needles, [stream.pieces[i] for i in indices], length,
+                            [stream.token_count(i) for i in indices])
+    used = indices[:count]
     piece_tokens = sum(stream.token_count(i) for i in used)
     heldout_share = sum(stream.token_count(i) for i in used if i < stream.heldout) / max(piece_tokens, 1)
-    return ids, HaystackSpan(used, len(ids), round(len(ids) * heldout_share), len(used) > len(stream.pieces))
+    wrapped = passage_tokens is None and len(used) > len(stream.pieces)
+    return ids, HaystackSpan(used, len(ids), round(len(ids) * heldout_share), wrapped)
 
 
 def shortest_prompt(tokenizer, task, lang):
@@ -300,17 +309,21 @@ def shortest_prompt(tokenizer, task, lang):
 
 
 DRILL_KEYS = (2, 6)
+PASSAGE_TOKENS = (32, 96)  # a repeated haystack's passage: longer than a 16-token window, within top 4 blocks of 16
 
 
-def training_documents(rng, streams, tokenizer, count, tasks, min_tokens, max_tokens, drill_fraction=0.0):
-    """`count` training documents {"text", "task", "lang", "tokens", "drill"}: each a uniformly drawn
-    task and language (streams: {lang: PieceStream of training prose}), length in
+def training_documents(rng, streams, tokenizer, count, tasks, min_tokens, max_tokens, drill_fraction=0.0,
+                       repeat_fraction=0.0):
+    """`count` training documents {"text", "task", "lang", "tokens", "drill", "repeated"}: each a
+    uniformly drawn task and language (streams: {lang: PieceStream of training prose}), length in
     min_tokens..max_tokens (prompt tokens; the answer follows), depth uniform in 0..1, haystack from
     a random piece. A share `drill_fraction` of them are drills (task multikey, DRILL_KEYS keys),
-    lengthened where their key lines alone exceed the drawn length."""
+    lengthened where their key lines alone exceed the drawn length. A share `repeat_fraction` has a
+    repeated haystack: one passage of PASSAGE_TOKENS tokens over and over (build_prompt)."""
     langs = sorted(streams)
     for _ in range(count):
-        # No draw when there are no drills: a mix without them stays what it was.
+        # No draw for a kind the mix does not hold: a mix without it stays what it was.
+        repeated = repeat_fraction > 0 and rng.random() < repeat_fraction
         drilled = drill_fraction > 0 and rng.random() < drill_fraction
         task, lang = ("multikey" if drilled else rng.choice(tasks)), rng.choice(langs)
         needles = draw_needles(rng, task, lang, rng.random(), num_keys=rng.randint(*DRILL_KEYS) if drilled else None,
@@ -319,6 +332,7 @@ def training_documents(rng, streams, tokenizer, count, tasks, min_tokens, max_to
         length = rng.randint(min_tokens, max_tokens)
         if drilled:
             length = max(length, len(tokenizer(prompt_text(needles, []), add_special_tokens=False).input_ids) + 16)
-        ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
+        passage = rng.randint(*PASSAGE_TOKENS) if repeated else None
+        ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate), passage)
         text = prompt_text(needles, stream.texts(span)) + answer(needles)
-        yield {"text": text, "task": task, "lang": lang, "tokens": len(ids), "drill": drilled}
+        yield {"text": text, "task": task, "lang": lang, "tokens": len(ids), "drill": drilled, "repeated": repeated}

@@ -89,3 +89,25 @@ def plot_losses(rows, title, png_path):
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def plot_repeats(rows, title, png_path):
+    """scripts/probe_repeats.py's rows: NLL of the first and the repeated readings by passage length,
+    one panel per language."""
+    langs = list(dict.fromkeys(row["lang"] for row in rows))
+    fig, axes = plt.subplots(1, len(langs), figsize=(4.2 * len(langs), 3.4), squeeze=False)
+    for ax, lang in zip(axes[0], langs):
+        own = [row for row in rows if row["lang"] == lang]
+        x = np.arange(len(own))
+        ax.bar(x - 0.2, [row["first_nll"] for row in own], 0.4, label="first reading")
+        ax.bar(x + 0.2, [row["repeated_nll"] for row in own], 0.4, label="repeated")
+        ax.set_xticks(x, [f"{row['passage_tokens']} ({row['copy_from']})" for row in own])
+        ax.set_xlabel("passage tokens (where the copy lies)")
+        ax.set_ylabel("NLL (nats/token)")
+        ax.set_title(lang, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

@@ -11,7 +11,8 @@ Every task (single, multikey, multivalue: evaluation/needles.py, worded as the t
 scripts/make_prose_data.py) in every language, at every --lengths (tokens), with --trials depths
 spread evenly over 0..1 (or --depths). Haystacks are cut from the held-out part of the corpus in
 --data_dir (dataset/prose.py); a haystack longer than a language's held-out text continues with its
-training text, and each trial records how many of its tokens were held out. A trial's needles and
+training text, and each trial records how many of its tokens were held out. With --passage_tokens N
+the haystack is one held-out passage of N tokens repeated (the training mix's repeated haystacks). A trial's needles and
 haystack depend only on --seed, the task, the language, the length and the trial's index, so every
 model and retrieval sees the same prompts. An ANN model is evaluated with each of --retrievals on
 the same weights; a dense model once, and only up to --dense_max_length.
@@ -73,7 +74,8 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                     rng = trial_rng(args.seed, task, lang, length, index)
                     needles = draw_needles(rng, task, lang, depth, num_keys=args.num_keys if task == "multikey" else None)
                     stream = streams[lang]
-                    ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
+                    ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate),
+                                             args.passage_tokens or None)
                     max_new_tokens = len(tokenizer(answer(needles), add_special_tokens=False).input_ids) + 4
                     for retrieval, model in models.items():
                         if retrieval is None and length > args.dense_max_length:
@@ -141,6 +143,8 @@ def parse_args(argv=None):
                    help="longest prompt a dense model is asked (its cost grows with the square of the length)")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks")
+    p.add_argument("--passage_tokens", type=int, default=0,
+                   help="haystack: one held-out passage of this many tokens repeated (0: held-out prose read on)")
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -158,6 +162,8 @@ def validate_args(args):
         raise UsageError(f"--num_keys must lie in {low}..{high}, got {args.num_keys}")
     if args.prefill_chunk < 0 or args.dense_max_length <= 0:
         raise UsageError("--prefill_chunk must be >= 0 and --dense_max_length > 0")
+    if args.passage_tokens < 0:
+        raise UsageError(f"--passage_tokens must be >= 0, got {args.passage_tokens}")
 
 
 def check_lengths(tokenizer, args):
@@ -215,6 +221,7 @@ def main(argv=None):
             "hnsw_ef_search": config.hnsw_ef_search, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,
             "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "needle_seed": args.seed, "model_seed": seed,
+            "passage_tokens": args.passage_tokens,
             "threads": torch.get_num_threads(), "device": args.device, "ranks": group.size if group else 1,
         }
         json_path.write_text(json.dumps({"config": run_config, "rows": rows, "trials": trial_rows}, indent=2,

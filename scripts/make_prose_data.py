@@ -9,7 +9,8 @@ Writes into --out_dir:
   prose_train.jsonl            {"text", "kind": "prose" | "needle", ...}: the training split cut into
                                chunks of <= --chunk_tokens tokens, shuffled with needle documents
                                (--needle_fraction of all documents) whose haystack is training prose,
-                               --drill_fraction of those drills (evaluation/needles.py)
+                               --drill_fraction of those drills, --repeat_fraction of them with
+                               one short passage repeated as haystack (evaluation/needles.py)
   prose_train_SOURCE.txt       each file's training part (what scripts/train_tokenizer.py trains on)
   prose_heldout_SOURCE.txt     each file's held-out part (scripts/eval_perplexity.py reads these;
                                scripts/eval_needles.py cuts its haystacks from the same split)
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--needle_fraction", type=float, default=0.3, help="share of needle documents in the mix")
     p.add_argument("--drill_fraction", type=float, default=0.0,
                    help="share of the needle documents that are drills (every key asked right after it)")
+    p.add_argument("--repeat_fraction", type=float, default=0.0,
+                   help="share of the needle documents whose haystack is one short passage repeated")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"needle tasks of the mix ({', '.join(TASKS)})")
     p.add_argument("--needle_min_tokens", type=int, default=320)
     p.add_argument("--needle_max_tokens", type=int, default=960, help="prompt tokens; the answer follows")
@@ -66,8 +69,9 @@ def validate_args(args, tokenizer, langs):
         raise UsageError(f"--chunk_tokens must be positive, got {args.chunk_tokens}")
     if not 0.0 <= args.needle_fraction < 1.0:
         raise UsageError(f"--needle_fraction must lie in [0, 1), got {args.needle_fraction}")
-    if not 0.0 <= args.drill_fraction <= 1.0:
-        raise UsageError(f"--drill_fraction must lie in [0, 1], got {args.drill_fraction}")
+    for name in ("drill_fraction", "repeat_fraction"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise UsageError(f"--{name} must lie in [0, 1], got {getattr(args, name)}")
     if args.needle_max_tokens < args.needle_min_tokens:
         raise UsageError(f"--needle_max_tokens {args.needle_max_tokens} is below --needle_min_tokens "
                          f"{args.needle_min_tokens}")
@@ -94,13 +98,14 @@ def build(args, corpus, tokenizer, langs):
     num_needles = round(len(prose) * args.needle_fraction / (1 - args.needle_fraction))
     needles = [{**document, "kind": "needle"} for document in training_documents(
         rng, streams, tokenizer, num_needles, args.tasks, args.needle_min_tokens, args.needle_max_tokens,
-        args.drill_fraction)]
+        args.drill_fraction, args.repeat_fraction)]
     documents = prose + needles
     rng.shuffle(documents)
     counts = {"prose_documents": len(prose), "needle_documents": len(needles),
               "needle_documents_by_task": {task: sum(d["task"] == task and not d["drill"] for d in needles)
                                            for task in args.tasks},
-              "drill_documents": sum(d["drill"] for d in needles)}
+              "drill_documents": sum(d["drill"] for d in needles),
+              "repeated_haystack_documents": sum(d["repeated"] for d in needles)}
     return documents, counts
 
 

@@ -1,6 +1,7 @@
 """The prose recipe end to end at toy size: a few training steps on the prose mix, then
-scripts/eval_needles.py (every task and language, exact and HNSW, JSON and PNG) and
-scripts/eval_perplexity.py (loss by position bucket for retrieval, window only and dense)."""
+scripts/eval_needles.py (every task and language, exact and HNSW, JSON and PNG),
+scripts/eval_perplexity.py (loss by position bucket for retrieval, window only and dense) and
+scripts/probe_repeats.py (loss on held-out passages read again)."""
 
 import json
 from pathlib import Path
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from evaluation.loading import load_model
-from scripts import collect_long_context, eval_needles, eval_perplexity, make_prose_data
+from evaluation.copying import repeated_passage_losses
+from scripts import collect_long_context, eval_needles, eval_perplexity, make_prose_data, probe_repeats
 from tests.prose_corpus import write_corpus
 from tests.torchrun_launch import torchrun
 from trainer import train_pretrain
@@ -90,6 +92,16 @@ def test_dense_model_skips_lengths_past_its_cap(trained, corpus_dir, tmp_path, c
     assert [(row["length"], row["retrieval"]) for row in rows] == [(300, None)]
 
 
+def test_a_repeated_passage_haystack_is_recorded(trained, corpus_dir, tmp_path):
+    json_path = tmp_path / "repeated.json"
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
+                              "--tasks", "single", "--langs", "en", "--trials", "1", "--retrievals", "exact",
+                              "--passage_tokens", "40", "--json", str(json_path)]) == 0
+    result = json.loads(json_path.read_text())
+    assert result["config"]["passage_tokens"] == 40 and len(result["trials"]) == 1
+    assert abs(result["trials"][0]["prompt_tokens"] - 300) <= 40
+
+
 def test_torchrun_launch_shards_every_prompt_and_answers_as_one_process(trained, corpus_dir, tmp_path):
     """2 ranks, each holding half of every prompt's KV cache: the same greedy answers as one process,
     for exact retrieval and for HNSW graphs per shard."""
@@ -120,7 +132,8 @@ def test_torchrun_launch_refuses_a_dense_model(trained, corpus_dir, capsys, monk
     (["--num_keys", "9"], "--num_keys must lie in 2..8"),
     (["--depths", "1.5"], "--depths must lie in [0, 1]"),
     (["--tasks", "pairs"], "invalid choice"),
-], ids=["too-short", "keys", "depth", "task"])
+    (["--passage_tokens", "-1"], "--passage_tokens must be >= 0"),
+], ids=["too-short", "keys", "depth", "task", "passage"])
 def test_eval_needles_bad_arguments_exit_2(trained, corpus_dir, capsys, argv, message):
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), *argv]) == 2
     err = capsys.readouterr().err
@@ -227,3 +240,47 @@ def test_collect_long_context_bad_input_exits_2(tmp_path, capsys, content, messa
     assert collect_long_context.main(["--perplexity", str(path), "--out_dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and message in err
+
+
+class Copier(torch.nn.Module):
+    """A stand-in model that predicts, at every position, the token `period` - 1 back (uniform before)."""
+
+    def __init__(self, vocab, period):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(30.0))
+        self.vocab, self.period = vocab, period
+
+    def forward(self, ids):
+        logits = torch.zeros(*ids.shape, self.vocab)
+        back = self.period - 1
+        logits[:, back:] = F.one_hot(ids[:, : ids.shape[1] - back], self.vocab) * self.scale
+        return type("Output", (), {"logits": logits})
+
+
+def test_repeated_passage_losses_tell_a_copier_from_chance():
+    passages = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 6, 0, 2]]
+    first, repeated = repeated_passage_losses(Copier(10, 6), passages, 40)
+    assert abs(first - torch.log(torch.tensor(10.0)).item()) < 1e-5 and repeated < 1e-6
+    first, repeated = repeated_passage_losses(Copier(10, 4), passages, 40)  # copies from the wrong place
+    assert repeated > 5
+
+
+def test_probe_repeats_writes_a_row_per_language_and_passage(trained, corpus_dir, tmp_path, capsys):
+    json_path = tmp_path / "repeats.json"
+    assert probe_repeats.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--passage_tokens", "8", "32",
+                               "--length", "96", "--passages", "2", "--json", str(json_path)]) == 0
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(row["lang"], row["passage_tokens"], row["copy_from"]) for row in rows] == [
+        ("en", 8, "window"), ("en", 32, "far"), ("zh", 8, "window"), ("zh", 32, "far")]
+    assert all(row["first_nll"] > 0 and row["repeated_nll"] > 0 for row in rows)
+    assert json_path.with_suffix(".png").read_bytes()[:8] == PNG and "gain" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--passage_tokens", "1"], "every --passage_tokens >= 2"),
+    (["--passage_tokens", "300", "--length", "512"], "does not hold two readings"),
+], ids=["tiny-passage", "too-long"])
+def test_probe_repeats_bad_arguments_exit_2(trained, corpus_dir, capsys, argv, message):
+    assert probe_repeats.main(["--load", str(trained), "--data_dir", str(corpus_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

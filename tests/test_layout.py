@@ -74,9 +74,12 @@ def is_program(name):
     return name.split(".")[0] in ENTRY_POINTS or name.startswith("trainer.train_")
 
 
+SHARED_BENCHMARK_CODE = ("benchmarks.common", "benchmarks.flex_cores")
+
+
 def allowed_import(target):
-    """Programs are never imported; benchmarks share only benchmarks.common."""
-    return not is_program(target) or target == "benchmarks.common"
+    """Programs are never imported; benchmarks share only their library modules."""
+    return not is_program(target) or target in SHARED_BENCHMARK_CODE
 
 
 @pytest.mark.parametrize("package", PACKAGES)

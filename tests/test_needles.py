@@ -131,6 +131,17 @@ def test_prompt_has_the_target_length_from_heldout_prose(tokenizer, heldout_stre
         assert all(i < stream.heldout for i in span.indices[:heldout_pieces])
 
 
+@pytest.mark.parametrize("lang", LANGS)
+def test_a_repeated_haystack_is_one_passage_over_and_over(tokenizer, heldout_streams, lang):
+    stream = heldout_streams[lang]
+    needles = draw_needles(random.Random(4), "single", lang, 0.5)
+    ids, span = build_prompt(tokenizer, stream, needles, 600, start=5, passage_tokens=40)
+    passage = stream.take(5, 40).indices
+    assert span.indices == (passage * len(span.indices))[: len(span.indices)] and len(span.indices) >= 3 * len(passage)
+    assert abs(len(ids) - 600) <= max(stream.token_count(i) for i in passage)
+    assert tokenizer.decode(ids) == prompt_text(needles, stream.texts(span)) and not span.wrapped
+
+
 def test_too_short_a_length_is_refused(tokenizer):
     needles = draw_needles(random.Random(0), "multikey", "en", 0.5, num_keys=8)
     with pytest.raises(ValueError, match="needs at least"):

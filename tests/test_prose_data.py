@@ -3,6 +3,7 @@ position, sentence pieces, haystack streams, and that held-out text never reache
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,19 @@ def test_drills_are_a_share_of_the_needle_documents(corpus_dir, tmp_path):
         assert questions == keys + 1, drill["text"]
 
 
+def test_repeated_haystacks_are_a_share_of_the_needle_documents(corpus_dir, built, tmp_path):
+    assert build(corpus_dir, tmp_path, "--repeat_fraction", "0.5") == 0
+    documents = [json.loads(line) for line in (tmp_path / "prose_train.jsonl").read_text(encoding="utf-8").splitlines()]
+    needles = [d for d in documents if d["kind"] == "needle"]
+    repeated = [d for d in needles if d["repeated"]]
+    assert 0.3 < len(repeated) / len(needles) < 0.7
+    assert json.loads((tmp_path / "prose_data.json").read_text())["repeated_haystack_documents"] == len(repeated)
+    for document in repeated:  # the haystack's passage recurs through the document
+        assert max(Counter(sentences(document["text"])).values()) >= 2, document["text"]
+    plain = [json.loads(line) for line in (built / "prose_train.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert not any(d.get("repeated") for d in plain)
+
+
 def test_same_seed_same_bytes_other_seed_other_mix(corpus_dir, built, tmp_path):
     assert build(corpus_dir, tmp_path / "again") == 0
     assert (tmp_path / "again" / "prose_train.jsonl").read_bytes() == (built / "prose_train.jsonl").read_bytes()
@@ -151,9 +165,10 @@ def test_split_only_writes_just_the_texts(corpus_dir, tmp_path):
     (["--needle_max_tokens", "200"], "is below --needle_min_tokens"),
     (["--needle_fraction", "1"], "--needle_fraction must lie in [0, 1)"),
     (["--drill_fraction", "1.5"], "--drill_fraction must lie in [0, 1]"),
+    (["--repeat_fraction", "-0.1"], "--repeat_fraction must lie in [0, 1]"),
     (["--tokenizer", "/nonexistent"], "no tokenizer.json"),
     (["--sources", "bible"], "invalid choice"),
-], ids=["task", "too-short", "max-below-min", "fraction", "drills", "tokenizer", "source"])
+], ids=["task", "too-short", "max-below-min", "fraction", "drills", "repeats", "tokenizer", "source"])
 def test_bad_arguments_exit_2_with_one_line(corpus_dir, tmp_path, capsys, flags, message):
     assert build(corpus_dir, tmp_path, *flags) == 2
     err = capsys.readouterr().err
