@@ -157,3 +157,26 @@ def prose_chunks(stream, chunk_tokens):
         tokens += count
     if texts:
         yield {"text": "".join(texts), "tokens": tokens}
+
+
+COPY_PASSAGE_WORDS = (4, 48)  # words of a copy document's passage (Chinese: characters)
+
+
+def copy_documents(rng, streams, tokenizer, count, min_tokens, max_tokens):
+    """`count` copy documents {"text", "lang", "tokens"}: a passage of words drawn at random from a
+    random stretch of training prose (streams: {lang: PieceStream}), in random order, repeated until
+    the document holds min_tokens..max_tokens tokens. Its first reading cannot be predicted and every
+    later one is a copy from one passage back: the loss is all copying (induction warm-up)."""
+    langs = sorted(streams)
+    for _ in range(count):
+        lang = rng.choice(langs)
+        stream = streams[lang]
+        span = stream.take(rng.randrange(stream.rotate), 256)
+        text = "".join(stream.texts(span))
+        words = text.split() if lang == "en" else [char for char in text if not char.isspace() and char != "。"]
+        passage = [rng.choice(words) for _ in range(rng.randint(*COPY_PASSAGE_WORDS))]
+        passage = (" " if lang == "en" else "").join(passage) + ("\n" if lang == "en" else "。")
+        target = rng.randint(min_tokens, max_tokens)
+        passage_tokens = len(tokenizer(passage, add_special_tokens=False).input_ids)
+        document = passage * max(2, round(target / passage_tokens))
+        yield {"text": document, "lang": lang, "tokens": len(tokenizer(document, add_special_tokens=False).input_ids)}

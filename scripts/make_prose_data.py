@@ -6,11 +6,12 @@ the training mix of prose chunks and needle documents (dataset/prose.py, evaluat
 Reads kjv.txt, tinyshakespeare.txt (English) and sanguo.txt (Chinese) from --data_dir (default
 ../shared/data beside the repo). The last 10% of each file is held out and never trained on.
 Writes into --out_dir:
-  prose_train.jsonl            {"text", "kind": "prose" | "needle", ...}: the training split cut into
+  prose_train.jsonl            {"text", "kind": "prose" | "needle" | "copy", ...}: the training split cut into
                                chunks of <= --chunk_tokens tokens, shuffled with needle documents
                                (--needle_fraction of all documents) whose haystack is training prose,
                                --drill_fraction of those drills, --repeat_fraction of them with
-                               one short passage repeated as haystack (evaluation/needles.py)
+                               one short passage repeated as haystack (evaluation/needles.py), and
+                               --copy_documents documents of random words repeated (kind "copy")
   prose_train_SOURCE.txt       each file's training part (what scripts/train_tokenizer.py trains on)
   prose_heldout_SOURCE.txt     each file's held-out part (scripts/eval_perplexity.py reads these;
                                scripts/eval_needles.py cuts its haystacks from the same split)
@@ -31,8 +32,8 @@ from transformers import AutoTokenizer
 
 from common.cli import OneLineParser, UsageError
 from dataset.prose import (
-    DEFAULT_DATA_DIR, HELDOUT_FRACTION, SOURCES, corpus_languages, heldout_start, prose_chunks, read_corpus,
-    split_text, training_stream,
+    DEFAULT_DATA_DIR, HELDOUT_FRACTION, SOURCES, copy_documents, corpus_languages, heldout_start, prose_chunks,
+    read_corpus, split_text, training_stream,
 )
 from evaluation.needles import NEEDLE_TEXTS, TASKS, shortest_prompt, training_documents
 
@@ -52,6 +53,8 @@ def parse_args(argv=None):
                    help="share of the needle documents that are drills (every key asked right after it)")
     p.add_argument("--repeat_fraction", type=float, default=0.0,
                    help="share of the needle documents whose haystack is one short passage repeated")
+    p.add_argument("--copy_documents", type=int, default=0,
+                   help="copy documents added to the mix: random words repeated (dataset/prose.py copy_documents)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"needle tasks of the mix ({', '.join(TASKS)})")
     p.add_argument("--needle_min_tokens", type=int, default=320)
     p.add_argument("--needle_max_tokens", type=int, default=960, help="prompt tokens; the answer follows")
@@ -72,6 +75,8 @@ def validate_args(args, tokenizer, langs):
     for name in ("drill_fraction", "repeat_fraction"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UsageError(f"--{name} must lie in [0, 1], got {getattr(args, name)}")
+    if args.copy_documents < 0:
+        raise UsageError(f"--copy_documents must be >= 0, got {args.copy_documents}")
     if args.needle_max_tokens < args.needle_min_tokens:
         raise UsageError(f"--needle_max_tokens {args.needle_max_tokens} is below --needle_min_tokens "
                          f"{args.needle_min_tokens}")
@@ -99,13 +104,15 @@ def build(args, corpus, tokenizer, langs):
     needles = [{**document, "kind": "needle"} for document in training_documents(
         rng, streams, tokenizer, num_needles, args.tasks, args.needle_min_tokens, args.needle_max_tokens,
         args.drill_fraction, args.repeat_fraction)]
-    documents = prose + needles
+    copies = [{**document, "kind": "copy"} for document in copy_documents(
+        rng, streams, tokenizer, args.copy_documents, args.needle_min_tokens, args.needle_max_tokens)]
+    documents = prose + needles + copies
     rng.shuffle(documents)
     counts = {"prose_documents": len(prose), "needle_documents": len(needles),
               "needle_documents_by_task": {task: sum(d["task"] == task and not d["drill"] for d in needles)
                                            for task in args.tasks},
               "drill_documents": sum(d["drill"] for d in needles),
-              "repeated_haystack_documents": sum(d["repeated"] for d in needles)}
+              "repeated_haystack_documents": sum(d["repeated"] for d in needles), "copy_documents": len(copies)}
     return documents, counts
 
 
@@ -140,8 +147,9 @@ def main(argv=None):
     metadata = {"heldout_fraction": HELDOUT_FRACTION, "split": split, **counts,
                 "args": {key: value for key, value in vars(args).items()}}
     (out_dir / "prose_data.json").write_text(json.dumps(metadata, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    copies = f" + {counts['copy_documents']} copy" if counts["copy_documents"] else ""
     print(f"wrote {out_dir}/prose_train.jsonl ({counts['prose_documents']} prose + {counts['needle_documents']} "
-          f"needle documents), prose_train_*.txt and prose_heldout_*.txt for {', '.join(corpus)}")
+          f"needle{copies} documents), prose_train_*.txt and prose_heldout_*.txt for {', '.join(corpus)}")
     return 0
 
 

@@ -146,6 +146,19 @@ def test_repeated_haystacks_are_a_share_of_the_needle_documents(corpus_dir, buil
     assert not any(d.get("repeated") for d in plain)
 
 
+def test_copy_documents_are_one_random_passage_repeated(corpus_dir, built, tmp_path):
+    assert build(corpus_dir, tmp_path, "--copy_documents", "6") == 0
+    documents = [json.loads(line) for line in (tmp_path / "prose_train.jsonl").read_text(encoding="utf-8").splitlines()]
+    copies = [d for d in documents if d["kind"] == "copy"]
+    assert len(copies) == 6 and json.loads((tmp_path / "prose_data.json").read_text())["copy_documents"] == 6
+    for document in copies:
+        text = document["text"]
+        passage = text[: text.index("\n" if document["lang"] == "en" else "。") + 1]
+        assert text == passage * (len(text) // len(passage)) and len(text) >= 2 * len(passage)
+    plain = [json.loads(line) for line in (built / "prose_train.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert {d["kind"] for d in plain} == {"prose", "needle"}  # none unless asked for
+
+
 def test_same_seed_same_bytes_other_seed_other_mix(corpus_dir, built, tmp_path):
     assert build(corpus_dir, tmp_path / "again") == 0
     assert (tmp_path / "again" / "prose_train.jsonl").read_bytes() == (built / "prose_train.jsonl").read_bytes()
@@ -166,9 +179,10 @@ def test_split_only_writes_just_the_texts(corpus_dir, tmp_path):
     (["--needle_fraction", "1"], "--needle_fraction must lie in [0, 1)"),
     (["--drill_fraction", "1.5"], "--drill_fraction must lie in [0, 1]"),
     (["--repeat_fraction", "-0.1"], "--repeat_fraction must lie in [0, 1]"),
+    (["--copy_documents", "-1"], "--copy_documents must be >= 0"),
     (["--tokenizer", "/nonexistent"], "no tokenizer.json"),
     (["--sources", "bible"], "invalid choice"),
-], ids=["task", "too-short", "max-below-min", "fraction", "drills", "repeats", "tokenizer", "source"])
+], ids=["task", "too-short", "max-below-min", "fraction", "drills", "repeats", "copies", "tokenizer", "source"])
 def test_bad_arguments_exit_2_with_one_line(corpus_dir, tmp_path, capsys, flags, message):
     assert build(corpus_dir, tmp_path, *flags) == 2
     err = capsys.readouterr().err
