@@ -61,7 +61,7 @@ from benchmarks.common import (
 )
 from common.cli import DTYPES
 
-IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto", "flex_causal", "flex_ann")
+IMPLS = ("dense", "ann_exact", "ann_hnsw", "ann_auto", "ann_pruned", "flex_causal", "flex_ann")
 DEFAULT_IMPLS = IMPLS[:4]
 MODES = ("fwd", "fwd_bwd", "decode")
 

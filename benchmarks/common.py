@@ -349,7 +349,7 @@ def add_attention_row_flags(parser):
 
 
 def build_core(settings, impl):
-    """dense, ann_exact / ann_hnsw / ann_auto, or the FlexAttention baselines flex_causal and
+    """dense, ann_exact / ann_hnsw / ann_auto / ann_pruned, or the FlexAttention baselines flex_causal and
     flex_ann (benchmarks/flex_cores.py: ANN's keys with true positions as a block-sparse mask)."""
     config = MiniMindConfig(
         hidden_size=settings["heads"] * settings["head_dim"],

@@ -5,13 +5,25 @@ collector (scripts/collect_long_context.py) draws the rows of several runs (seed
 cell the mean over the seeds and trials it holds, so both figures read the same way.
 """
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+
+
+def write_results(json_path, results, draw, title):
+    """results (a dict) -> json_path, and draw(results["trials"] or results["rows"], title, png) -> the
+    same path with .png; says where both went."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    draw(results.get("trials", results["rows"]), title, json_path.with_suffix(".png"))
+    print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
 
 
 def length_label(length):
@@ -108,6 +120,22 @@ def plot_repeats(rows, title, png_path):
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def plot_induction(rows, title, png_path):
+    """scripts/probe_induction.py's rows: NLL of the first and the repeated readings by training step."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    steps = [row["step"] for row in rows]
+    ax.plot(steps, [row["first_nll"] for row in rows], marker=".", label="first reading")
+    ax.plot(steps, [row["repeated_nll"] for row in rows], marker=".", label="repeated readings")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("NLL (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

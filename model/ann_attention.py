@@ -437,6 +437,7 @@ class AnnLayerCache(KVBuffer):
         fresh = block_summaries(self.k, first, end, self.block_size, self.summary)
         self.summaries = with_capacity(self.summaries, fresh, end, self.reserve // self.block_size)
         self.summaries[:, :, first:end] = fresh
+        self.retriever.summaries_changed(first)
         return self.summaries[:, :, :end]
 
 

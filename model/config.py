@@ -10,7 +10,7 @@ import math
 from transformers import PretrainedConfig
 
 ATTN_IMPLS = ("dense", "ann")
-RETRIEVERS = ("exact", "hnsw", "auto")
+RETRIEVERS = ("exact", "hnsw", "auto", "pruned")
 BLOCK_POSITIONS = ("capped", "true")
 BLOCK_SUMMARIES = ("bounds", "mean")
 MAX_TOKEN_SHIFT = 2  # key_shift / query_shift: how many previous tokens a key / query may mix in

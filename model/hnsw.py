@@ -216,6 +216,10 @@ class HnswRetriever:
     def stored_blocks(self, row):
         return len(self.graphs[row][0])
 
+    def summaries_changed(self, first_block):
+        """The KV cache recomputed blocks first_block on: a graph keeps the vectors it was given, as a
+        sequence's candidates never shrink (select refuses a query that would see fewer blocks)."""
+
     def _check_batch(self, summaries):
         b, g, _, e = summaries.shape
         if self.graphs is None:

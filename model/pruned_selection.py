@@ -102,6 +102,8 @@ class SuperBlockBounds:
         first = self.num_blocks if first_changed is None else min(int(first_changed), self.num_blocks)
         if m < self.num_blocks:
             raise ValueError(f"SuperBlockBounds.extend: {m} summaries, fewer than the {self.num_blocks} covered already")
+        if first >= m:  # nothing new and nothing changed (a decoding step inside a block)
+            return self
         hi = lo = summaries
         count = m
         for level, size in enumerate(self.group_sizes):

@@ -22,6 +22,8 @@ is (fewest, most) of the limits as host ints, known to the caller without readin
            block order; a query with L candidates searches it when it holds exactly blocks 0 .. L-1.
            Per layer, its state lives in the KV cache so decoding only adds the new blocks.
     auto:  per query: exact while it has fewer candidates than a threshold, hnsw from there.
+    pruned: (model/pruned_selection.py) exact's answer by branch and bound over super-block bounds,
+           scoring few blocks where some stand out; in a KV cache the bounds grow with the blocks.
 
 Every retriever is causal: a query's blocks depend only on the blocks that are candidates for it,
 so neither later tokens nor the way a prefill is split into calls change them.
@@ -30,6 +32,7 @@ so neither later tokens nor the way a prefill is split into calls change them.
 import torch
 
 from .hnsw import HnswRetriever
+from .pruned_selection import MIN_PRUNED_BLOCKS, SuperBlockBounds, pruned_select
 
 NEG_INF = float("-inf")
 
@@ -125,8 +128,39 @@ class ExactRetriever:
     def select(self, group_queries, summaries, limits, top_n, bounds=None):
         return exact_select(group_queries, summaries, limits, top_n, bounds)
 
+    def summaries_changed(self, first_block):
+        """The KV cache recomputed the summaries of blocks first_block on: nothing is kept of them here."""
 
-class AutoRetriever:
+
+class PrunedRetriever(ExactRetriever):
+    """exact_select's answer from pruned_select. Its super-block bounds are kept between calls and
+    extended over new blocks and over the blocks the cache reports changed (summaries_changed), so
+    a decoding step recomputes only the nodes above its newest block. Below min_blocks
+    candidates it is exact_select, without bounds."""
+
+    min_blocks = MIN_PRUNED_BLOCKS
+
+    def __init__(self):
+        self.super_bounds = None
+        self.first_changed = 0
+
+    def summaries_changed(self, first_block):
+        self.first_changed = min(self.first_changed, first_block)
+
+    def select(self, group_queries, summaries, limits, top_n, bounds=None):
+        fewest, most = limit_bounds(limits, bounds)
+        if min(most, summaries.shape[2]) < self.min_blocks:
+            return exact_select(group_queries, summaries, limits, top_n, (fewest, most))
+        m = summaries.shape[2]
+        if self.super_bounds is None or m < self.super_bounds.num_blocks:
+            self.super_bounds = SuperBlockBounds()
+            self.first_changed = 0
+        self.super_bounds.extend(summaries, first_changed=self.first_changed)
+        self.first_changed = m
+        return pruned_select(group_queries, summaries, limits, top_n, self.super_bounds, min_blocks=self.min_blocks)
+
+
+class AutoRetriever(ExactRetriever):
     """Exact scoring for a query with fewer than `threshold` candidates, HNSW for one with more.
 
     The choice is each query's own (its limit), never the call's: a call's largest limit depends on
@@ -162,4 +196,6 @@ def build_retriever(config, kind=None):
         return HnswRetriever(*hnsw_settings)
     if kind == "auto":
         return AutoRetriever(config.ann_auto_threshold, *hnsw_settings)
-    raise ValueError(f"unknown retrieval {kind!r}; choose exact, hnsw or auto")
+    if kind == "pruned":
+        return PrunedRetriever()
+    raise ValueError(f"unknown retrieval {kind!r}; choose exact, hnsw, auto or pruned")

@@ -29,7 +29,6 @@ length and depth, one panel per task, language and retrieval.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
 
-import json
 import random
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
 from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
-from evaluation.reports import plot_needles
+from evaluation.reports import plot_needles, write_results
 from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths
 from model.config import RETRIEVERS
 
@@ -213,8 +212,6 @@ def main(argv=None):
     print_table(rows)
 
     if args.json and not (group and group.rank):
-        json_path = Path(args.json)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         run_config = {
             "load": str(path), "attn": config.attn_impl, "ann_window": config.ann_window,
             "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n, "hnsw_m": config.hnsw_m,
@@ -224,10 +221,8 @@ def main(argv=None):
             "passage_tokens": args.passage_tokens,
             "threads": torch.get_num_threads(), "device": args.device, "ranks": group.size if group else 1,
         }
-        json_path.write_text(json.dumps({"config": run_config, "rows": rows, "trials": trial_rows}, indent=2,
-                                        ensure_ascii=False) + "\n", encoding="utf-8")
-        plot_needles(trial_rows, f"needles in held-out prose: {path}", json_path.with_suffix(".png"))
-        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+        write_results(args.json, {"config": run_config, "rows": rows, "trials": trial_rows}, plot_needles,
+                      f"needles in held-out prose: {path}")
     return 0
 
 

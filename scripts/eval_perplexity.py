@@ -23,7 +23,6 @@ Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
 
 import glob
-import json
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from transformers.utils import logging as transformers_logging
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
-from evaluation.reports import plot_losses
+from evaluation.reports import plot_losses, write_results
 
 BUCKET_EDGES = (0, 512, 4096, 16384, 65536)
 DEFAULT_TEXTS = "dataset/prose/prose_heldout_*.txt"
@@ -218,15 +217,11 @@ def main(argv=None):
             tokenizer, args.texts, args.dense_max_tokens, lambda ids: position_losses(dense, ids, args.chunk)))
     print_table(rows)
     if args.json:
-        json_path = Path(args.json)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         run_config = {"load": str(path), "dense": str(dense_path) if dense_path else None, "texts": args.texts,
                       "max_tokens": args.max_tokens, "dense_max_tokens": args.dense_max_tokens, "chunk": args.chunk,
                       "recent_context": args.recent_context,
                       "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
-        json_path.write_text(json.dumps({"config": run_config, "rows": rows}, indent=2) + "\n", encoding="utf-8")
-        plot_losses(rows, f"held-out loss by position: {path}", json_path.with_suffix(".png"))
-        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+        write_results(args.json, {"config": run_config, "rows": rows}, plot_losses, f"held-out loss by position: {path}")
     return 0
 
 

@@ -15,7 +15,6 @@ passages, length) and PATH with .png.
 Exit codes: 0 done, 2 bad arguments, a missing text file or nothing loadable.
 """
 
-import json
 import random
 import sys
 from pathlib import Path
@@ -30,7 +29,8 @@ from common.cli import OneLineParser, UsageError
 from dataset.prose import DEFAULT_DATA_DIR, corpus_languages, language_texts, read_corpus
 from evaluation.copying import repeated_passage_losses
 from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path
-from evaluation.reports import plot_repeats
+from evaluation.reports import plot_repeats, write_results
+from model.config import RETRIEVERS
 
 
 def parse_args(argv=None):
@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=512, help="tokens of each scored document")
     p.add_argument("--passages", type=int, default=8, help="passages per language and passage length")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--retrieval", choices=("exact", "hnsw", "auto"), default="exact")
+    p.add_argument("--retrieval", choices=RETRIEVERS, default="exact")
     add_run_arguments(p)
     args = p.parse_args(argv)
     if args.passages < 1 or any(tokens < 2 for tokens in args.passage_tokens):
@@ -89,11 +89,7 @@ def main(argv=None):
                          "repeated_nll": round(repeated, 4), "passages": args.passages, "length": args.length})
             print(f"{lang:<5} {size:>8} {where:>8} {first:>10.3f} {repeated:>13.3f} {first - repeated:>6.2f}", flush=True)
     if args.json:
-        json_path = Path(args.json)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2) + "\n", encoding="utf-8")
-        plot_repeats(rows, f"repeated held-out passages: {args.load}", json_path.with_suffix(".png"))
-        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+        write_results(args.json, {"config": vars(args), "rows": rows}, plot_repeats, f"repeated held-out passages: {args.load}")
     return 0
 
 

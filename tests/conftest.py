@@ -19,3 +19,12 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(faiss_threads)
+
+
+@pytest.fixture(autouse=True)
+def prune_at_test_sizes(monkeypatch):
+    """The "pruned" retrieval is exact_select below PrunedRetriever.min_blocks candidate blocks (1024),
+    more than any model-level test holds: at 0 every test that uses it runs the branch and bound."""
+    from model.retrieval import PrunedRetriever
+
+    monkeypatch.setattr(PrunedRetriever, "min_blocks", 0)

@@ -265,7 +265,7 @@ def test_heads_are_not_flattened_into_one_softmax():
 
 
 @pytest.mark.parametrize("block_position", ["capped", "true"])
-@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto", "pruned"])
 @pytest.mark.parametrize("chunks", [[1] * 90, [37, 1, 1, 20, 31], [90]])
 def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks, block_position):
     core = make_core(4, 2, 16, 8, 2, retrieval=retrieval, block_position=block_position)
@@ -281,13 +281,14 @@ def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks, bloc
     torch.testing.assert_close(torch.cat(outputs, dim=2), full, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("retrieval", ["exact", "pruned"])
 @pytest.mark.parametrize("block_position", ["capped", "true"])
-def test_decoding_after_rewriting_cached_keys_equals_a_full_pass(block_position):
+def test_decoding_after_rewriting_cached_keys_equals_a_full_pass(block_position, retrieval):
     """Decoding keeps its window keys from step to step (WindowRing): after the last ten cached
     positions are written again in one call, the next step, at the position the kept window
     ends, must read the new keys."""
     first, size = 40, 10
-    core = make_core(4, 2, 16, 8, 2, block_position=block_position)
+    core = make_core(4, 2, 16, 8, 2, retrieval=retrieval, block_position=block_position)
     old, new = random_qkv(1, 4, 2, 60, seed=1), random_qkv(1, 4, 2, 60, seed=2)
     rewritten = [torch.cat([a[:, :, :first], b[:, :, first:]], dim=2).detach() for a, b in zip(old, new)]
     cache = core.new_layer_cache()
@@ -407,7 +408,7 @@ TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1)]
 
 @pytest.mark.parametrize("key_shift,query_shift", TOKEN_SHIFTS)
 @pytest.mark.parametrize("block_position", ["capped", "true"])
-@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto", "pruned"])
 def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, block_position, key_shift, query_shift):
     model = ann_model(retrieval, ann_block_position=block_position, key_shift=key_shift, query_shift=query_shift)
     input_ids = torch.randint(3, 300, (2, 120))

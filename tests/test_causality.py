@@ -40,7 +40,7 @@ def random_tokens(length, seed):
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-retrievers = pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto"])
+retrievers = pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto", "pruned"])
 summaries = pytest.mark.parametrize("summary", ["bounds", "mean"])
 block_positions = pytest.mark.parametrize("block_position", ["capped", "true"])
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model.pruned_selection import SuperBlockBounds, pruned_select
-from model.retrieval import block_summaries, exact_select, selection_queries
+from model.retrieval import PrunedRetriever, block_summaries, exact_select, selection_queries
+from tests.test_ann_attention import ann_model  # window 16, blocks of 8, top 2, 4 query and 2 KV heads
 
 TOLERANCE = 1e-5
 BLOCK = 4
@@ -170,3 +171,58 @@ def test_needle_prunes_most_blocks(summary):
     found = pruned_select(group_queries, summaries, limits, 1, stats=stats)
     assert_same_selection(group_queries, summaries, limits, 1, found)
     assert stats["exact_scores"] + stats["bound_scores"] < 0.1 * stats["dense_scores"], stats
+
+
+@pytest.mark.parametrize("length", [300, 1500], ids=["masked", "tiled"])
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+def test_pruned_retrieval_gives_exact_outputs_and_gradients(length, block_position):
+    """The whole model trained one step's worth with retrieval "pruned" (branch and bound at every
+    size, tests/conftest.py) against "exact": the same logits and gradients."""
+    tokens = torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(length))
+    results = []
+    for retrieval in ("exact", "pruned"):
+        model = ann_model(retrieval, ann_block_position=block_position).train()
+        output = model(tokens, labels=tokens)
+        output.loss.backward()
+        results.append((output.logits.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    (exact_logits, exact_grads), (pruned_logits, pruned_grads) = results
+    torch.testing.assert_close(pruned_logits, exact_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in exact_grads.items():
+        torch.testing.assert_close(pruned_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("chunk", [64, 333])
+def test_pruned_retrieval_in_the_cache_equals_exact(chunk):
+    """Chunked prefill then decoding steps: the cache's super-block bounds grow with its blocks and
+    select what exact scoring selects (the same logits and greedy tokens)."""
+    prompt = torch.randint(3, 300, (1, 700), generator=torch.Generator().manual_seed(chunk))
+    runs = []
+    for retrieval in ("exact", "pruned"):
+        model = ann_model(retrieval)
+        cache = model.new_cache(reserve=760)
+        with torch.no_grad():
+            logits = [model(part, cache=cache, use_cache=True).logits for part in prompt.split(chunk, dim=1)]
+            tokens = [logits[-1][:, -1].argmax(-1)]
+            for _ in range(40):
+                step = model(tokens[-1][:, None], cache=cache, use_cache=True).logits
+                logits.append(step)
+                tokens.append(step[:, -1].argmax(-1))
+        runs.append((torch.cat(logits, dim=1), torch.stack(tokens)))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(runs[1][1], runs[0][1])
+
+
+@pytest.mark.parametrize("summary", SUMMARIES)
+def test_pruned_retriever_rebuilds_the_bounds_of_changed_blocks(summary):
+    """A cache that rewrites a block reports it (summaries_changed); the retriever's kept bounds then
+    cover the new summary. A stronger needle written into an early block must be found there (top 1:
+    with a stale bound its super-block would be pruned once the old needle sets the threshold)."""
+    group_queries, summaries, limits = make_inputs(3000, "needle", summary, 1, 1)
+    limits = torch.full_like(limits, summaries.shape[2])  # every query sees the needle: most nodes pruned
+    retriever = PrunedRetriever()
+    assert_same_selection(group_queries, summaries, limits, 1, retriever.select(group_queries, summaries, limits, 1))
+    moved = summaries.clone()
+    needle = summaries.shape[2] // 2
+    moved[:, :, 5] = 2 * summaries[:, :, needle]
+    retriever.summaries_changed(5)
+    assert_same_selection(group_queries, moved, limits, 1, retriever.select(group_queries, moved, limits, 1))
