@@ -39,6 +39,7 @@ gradient, then this rank's slice; all_reduce-sum -> all_reduce-sum); the selecti
 log-sum-exp rule and the summaries carry none (the merged output does not depend on the max).
 """
 
+import atexit
 import math
 import os
 import time
@@ -175,7 +176,15 @@ def join_group(rank, world_size, init_method, timeout_s=60.0, backend="gloo"):
         return ShardGroup()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    # A gloo group still alive when the interpreter exits can abort the process from its threads'
+    # destructors ("terminate called without an active exception") after all the work is done.
+    atexit.register(leave_group)
     return ShardGroup(dist.group.WORLD)
+
+
+def leave_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def join_launch_group(timeout_s=1800.0):
