@@ -21,6 +21,16 @@ Keys (all with queries made to look for something in the text):
              queries' common direction: every query's best blocks by a wide margin (a passkey).
 
     python benchmarks/bench_selection.py --threads 1 --repeats 3 --json docs/bench/selection.json
+
+A trained model's keys (--model DIR --text FILE): the model prefills the first --tokens tokens of
+the text through its KV cache, --chunk at a time, once with exact and once with pruned retrieval
+(interleaved, --repeats rounds); exact_ms / pruned_ms are whole prefills, and the fractions are
+the pruned calls' counts summed over every layer (calls with fewer than --min_blocks candidates
+score exactly and are not counted). Every row checks that the two prefills' last logits agree
+(within 1e-4 of their scale).
+
+    python benchmarks/bench_selection.py --model out/prose_ann/model --text dataset/prose/copy/prose_heldout_kjv.txt \
+        --tokens 32768 65536 --threads 1 --repeats 1
 """
 
 import argparse
@@ -30,16 +40,21 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from transformers import AutoTokenizer
 
 from common.cpu_memory import retain_freed_memory
+from evaluation.loading import tokenizer_folder
+from model.config import MiniMindConfig
+from model.model import MiniMindForCausalLM
 from model.pruned_selection import DEFAULT_GROUP_SIZES, DEFAULT_QUERY_GROUP, MIN_PRUNED_BLOCKS, SuperBlockBounds, pruned_select
-from model.retrieval import block_summaries, exact_select, selection_queries
+from model.retrieval import PrunedRetriever, block_summaries, exact_select, selection_queries
 
 KEY_KINDS = ("random", "topics", "documents", "repeats", "needle")
 
@@ -67,7 +82,16 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here")
-    return p.parse_args(argv)
+    p.add_argument("--model", default=None, help="a trained ANN model folder: measure on its keys (--text)")
+    p.add_argument("--text", default=None, help="with --model: the text it prefills")
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768], help="with --model: prefill lengths")
+    p.add_argument("--chunk", type=int, default=4096, help="with --model: prefill chunk")
+    args = p.parse_args(argv)
+    if (args.model is None) != (args.text is None):
+        p.error("--model and --text go together")
+    if args.text is not None and not Path(args.text).is_file():
+        p.error(f"--text {args.text}: no such file")
+    return args
 
 
 def make_keys(kind, num_tokens, num_queries, kv_heads, heads, head_dim, block_size, seed, needles=1):
@@ -184,6 +208,55 @@ def measure(args, kind, summary, num_blocks):
     )
 
 
+@torch.no_grad()
+def prefill(model, ids, chunk):
+    """ids (1, t) -> (the last chunk's logits, the cache): the whole text through the KV cache."""
+    cache = model.new_cache(reserve=ids.shape[1])
+    for start in range(0, ids.shape[1], chunk):
+        logits = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True).logits
+    return logits, cache
+
+
+def measure_model(args, models, tokenizer, num_tokens):
+    """One row: prefills of `num_tokens` tokens of args.text with models["exact"] and models["pruned"]."""
+    ids = tokenizer(Path(args.text).read_text(encoding="utf-8"))["input_ids"][:num_tokens]
+    if len(ids) < num_tokens:
+        raise SystemExit(f"--text {args.text}: {len(ids)} tokens, fewer than --tokens {num_tokens}")
+    ids = torch.tensor([ids])
+    exact_logits, _ = prefill(models["exact"], ids, args.chunk)
+    pruned_logits, cache = prefill(models["pruned"], ids, args.chunk)
+    scale = exact_logits.abs().max().clamp(min=1)
+    agree = bool(((exact_logits - pruned_logits).abs().max() / scale) <= 1e-4)
+    stats = {}
+    for layer in cache.layers:
+        for key, count in layer.retriever.stats.items():
+            stats[key] = stats.get(key, 0) + count
+    times = time_interleaved({kind: lambda model=model: prefill(model, ids, args.chunk) for kind, model in models.items()},
+                             args.repeats)
+    config = models["exact"].config
+    dense_scores = stats.get("dense_scores", 0)
+    return dict(
+        keys=f"model:{Path(args.text).stem}", summary=config.ann_block_summary, blocks=num_tokens // config.ann_block_size,
+        tokens=num_tokens, exact_ms=1e3 * times["exact"], pruned_ms=1e3 * times["pruned"],
+        speedup=times["exact"] / times["pruned"],
+        exact_fraction=stats.get("exact_scores", 0) / dense_scores if dense_scores else None,
+        bound_fraction=stats.get("bound_scores", 0) / dense_scores if dense_scores else None,
+        build_ms=None, agree=agree,
+    )
+
+
+def load_models(args):
+    """{"exact": model, "pruned": model} and the tokenizer, from args.model."""
+    models = {}
+    for kind in ("exact", "pruned"):
+        config = MiniMindConfig.from_pretrained(args.model)
+        if config.attn_impl != "ann":
+            raise SystemExit(f"--model {args.model}: a {config.attn_impl} model; selection needs an ANN model")
+        config.ann_retrieval = kind
+        models[kind] = MiniMindForCausalLM.from_pretrained(args.model, config=config).eval()
+    return models, AutoTokenizer.from_pretrained(tokenizer_folder(args.model))
+
+
 COLUMNS = [
     ("keys", "keys", "{}"), ("summary", "summary", "{}"), ("blocks", "blocks", "{}"), ("tokens", "tokens", "{}"),
     ("exact_ms", "exact ms", "{:.2f}"), ("pruned_ms", "pruned ms", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
@@ -193,7 +266,9 @@ COLUMNS = [
 
 
 def format_table(rows):
-    cells = [[label for _, label, _ in COLUMNS]] + [[fmt.format(row[key]) for key, _, fmt in COLUMNS] for row in rows]
+    cells = [[label for _, label, _ in COLUMNS]] + [
+        ["-" if row[key] is None else fmt.format(row[key]) for key, _, fmt in COLUMNS] for row in rows
+    ]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells)
 
@@ -203,12 +278,17 @@ def main(argv=None):
     if args.allocator == "retain" and not retain_freed_memory():
         print("--allocator retain: no glibc mallopt here, the system allocator stays", file=sys.stderr)
     torch.set_num_threads(args.threads)
+    PrunedRetriever.min_blocks = args.min_blocks
     rows = []
-    for num_blocks in args.blocks:
-        for kind in args.keys:
-            for summary in args.summary:
-                rows.append(measure(args, kind, summary, num_blocks))
-                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    if args.model:
+        models, tokenizer = load_models(args)
+        measurements = (partial(measure_model, args, models, tokenizer, num_tokens) for num_tokens in args.tokens)
+    else:
+        measurements = (partial(measure, args, kind, summary, num_blocks)
+                        for num_blocks in args.blocks for kind in args.keys for summary in args.summary)
+    for run in measurements:
+        rows.append(run())
+        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))
     if args.json:

@@ -37,8 +37,9 @@ def reading_losses(logits, ids, span):
     return nll[:, : span - 1].mean().item(), nll[:, span:].mean().item()
 
 
-def train_induction(model, steps, lr, batch, length, min_span, max_span, seed, log_every=25, on_row=None):
-    """Train `model` on repeated random spans with AdamW (constant lr, clip 1.0).
+def train_induction(model, steps, lr, batch, length, min_span, max_span, seed, log_every=25, on_row=None, held=()):
+    """Train `model` on repeated random spans with AdamW (constant lr, clip 1.0); the parameters in
+    `held` keep their values and stay out of the gradient-norm clip.
 
     -> rows [{"step", "loss", "first_nll", "repeated_nll"}] every `log_every` steps and at the last,
     each measured on that step's batch before the update; on_row(row) is called with each as it comes.
@@ -47,7 +48,9 @@ def train_induction(model, steps, lr, batch, length, min_span, max_span, seed, l
         raise ValueError(f"spans must satisfy 2 <= {min_span} <= {max_span} and two readings of the longest "
                          f"must fit in {length} tokens")
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    held_ids = {id(weights) for weights in held}
+    trained = [weights for weights in model.parameters() if id(weights) not in held_ids]
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     vocab, device = model.config.vocab_size, next(model.parameters()).device
     rows = []
     model.train()
@@ -64,7 +67,7 @@ def train_induction(model, steps, lr, batch, length, min_span, max_span, seed, l
         if step == steps:
             break
         output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     return rows

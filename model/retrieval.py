@@ -136,13 +136,15 @@ class PrunedRetriever(ExactRetriever):
     """exact_select's answer from pruned_select. Its super-block bounds are kept between calls and
     extended over new blocks and over the blocks the cache reports changed (summaries_changed), so
     a decoding step recomputes only the nodes above its newest block. Below min_blocks
-    candidates it is exact_select, without bounds."""
+    candidates it is exact_select, without bounds. `stats` sums pruned_select's counts over the
+    calls that pruned (what a benchmark reports)."""
 
     min_blocks = MIN_PRUNED_BLOCKS
 
     def __init__(self):
         self.super_bounds = None
         self.first_changed = 0
+        self.stats = {}
 
     def summaries_changed(self, first_block):
         self.first_changed = min(self.first_changed, first_block)
@@ -157,7 +159,8 @@ class PrunedRetriever(ExactRetriever):
             self.first_changed = 0
         self.super_bounds.extend(summaries, first_changed=self.first_changed)
         self.first_changed = m
-        return pruned_select(group_queries, summaries, limits, top_n, self.super_bounds, min_blocks=self.min_blocks)
+        return pruned_select(group_queries, summaries, limits, top_n, self.super_bounds, self.stats,
+                             min_blocks=self.min_blocks)
 
 
 class AutoRetriever(ExactRetriever):

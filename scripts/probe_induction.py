@@ -12,6 +12,8 @@ per batch (equal: a fixed distance, which a positional head can copy without mat
 spans longer than --ann_window copy through retrieved blocks only.
 --json PATH writes {"config", "rows"} (rows: step, loss, first_nll, repeated_nll) and PATH with .png;
 --save DIR saves the trained model (a folder trainer/train_pretrain.py --from_weight continues from).
+--hold_wide_shift keeps a --key_shift 2 / --query_shift model's wide shift at zero, so it copies with the
+one-token match here and a later stage (the trainer's --wide_shift_from_step) adds the two-token one.
 Exit codes: 0 done, 2 bad arguments.
 """
 
@@ -29,6 +31,7 @@ from evaluation.loading import add_run_arguments, apply_run_arguments
 from evaluation.reports import plot_induction, write_results
 from model.config import MiniMindConfig
 from model.model import MiniMindForCausalLM
+from trainer.optim import wide_shift_parameters
 
 
 def parse_args(argv=None):
@@ -39,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--ann_top_n", type=int, default=4)
     p.add_argument("--key_shift", type=int, default=0)
     p.add_argument("--query_shift", type=int, default=0)
+    p.add_argument("--hold_wide_shift", action="store_true",
+                   help="keep the token-shift weights beyond the key's first previous token at zero (as the "
+                        "trainer's --wide_shift_from_step does), so a --key_shift 2 model trains as --key_shift 1")
     p.add_argument("--vocab", type=int, default=6400)
     p.add_argument("--hidden_size", type=int, default=128)
     p.add_argument("--num_hidden_layers", type=int, default=2)
@@ -60,6 +66,9 @@ def parse_args(argv=None):
     if not 2 <= args.min_span <= args.max_span or 2 * args.max_span > args.length:
         raise UsageError(f"need 2 <= --min_span <= --max_span and two readings of --max_span {args.max_span} "
                          f"within --length {args.length}")
+    if args.hold_wide_shift and args.key_shift < 2 and not args.query_shift:
+        raise UsageError("--hold_wide_shift holds a token shift the model does not have: "
+                         "it needs --key_shift 2 or --query_shift >= 1")
     return args
 
 
@@ -85,7 +94,8 @@ def main(argv=None):
     rows = train_induction(model, args.steps, args.lr, args.batch, args.length, args.min_span, args.max_span,
                            args.seed, args.log_every, on_row=lambda row: print(
                                f"{row['step']:>6} {row['loss']:>7.3f} {row['first_nll']:>10.3f} "
-                               f"{row['repeated_nll']:>13.3f}", flush=True))
+                               f"{row['repeated_nll']:>13.3f}", flush=True),
+                           held=wide_shift_parameters(model) if args.hold_wide_shift else ())
     if args.save:
         model.save_pretrained(args.save)
         print(f"saved the model to {args.save}")

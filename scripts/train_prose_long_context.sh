@@ -1,42 +1,55 @@
 #!/usr/bin/env bash
 # Long context on real prose, for 2 CPU cores (docs/LONG_CONTEXT.md, "The prose recipe").
 #
-# Builds the prose data (scripts/make_prose_data.py: the last 10% of each text held out, the
-# training mix of prose chunks and needle documents over training prose), trains one model with
-# ANN attention (out/prose_ann) and, as the control, the same model with dense attention
-# (out/prose_dense), each alone on every core, then evaluates both: needles in held-out prose
-# (scripts/eval_needles.py) and held-out loss by position (scripts/eval_perplexity.py), and collects
-# their results in $OUT/results (scripts/collect_long_context.py).
+# A copy curriculum in three stages, for one model with ANN attention (out/prose_ann) and, as the
+# control, the same model with dense attention (out/prose_dense), each alone on every core:
+#   1. induction: random token ids, one span repeated (scripts/probe_induction.py), where copying is
+#      the only thing to learn, so the content match (find the current token earlier, copy what
+#      followed) forms;
+#   2. copy: training prose with copy documents (random words of a stretch of prose, repeated) and
+#      single needles, which carries the copy over to real text;
+#   3. needles: mostly short needle documents over training prose, copy documents kept in the mix,
+#      the two-token key match training from WIDE_SHIFT_FROM.
+# Then both are evaluated: needles in held-out prose (scripts/eval_needles.py) and held-out loss by
+# position (scripts/eval_perplexity.py), collected in $OUT/results (scripts/collect_long_context.py).
 #
 #   bash scripts/train_prose_long_context.sh                      # ANN model, then the dense control
 #   ATTNS=ann SEED=2 bash scripts/train_prose_long_context.sh      # another seed of the ANN model
-#   STEPS=20 SAFETY_MINUTES=5 EVAL_LENGTHS="1024 2048" EVAL_TRIALS=2 PPL_TOKENS=4096 OUT=/tmp/prose \
+#   INDUCTION_STEPS=3 COPY_STEPS=3 NEEDLE_STEPS=3 HIDDEN=32 LAYERS=1 BATCH=2 COPY_DOCS=40 NEEDLE_COPY_DOCS=20 \
+#       EVAL_LENGTHS=1024 EVAL_TRIALS=1 PPL_TOKENS=2048 OUT=/tmp/prose PROSE=/tmp/prose/data \
 #       bash scripts/train_prose_long_context.sh                   # smoke run
 #
-# The run is defined by its steps and schedule: STEPS optimizer steps of a cosine schedule, the
-# same on any machine (a slower one takes longer). SAFETY_MINUTES only guards against a runaway
-# run; when it stops a model early the script says so, and that model is not the recipe's.
+# The run is defined by its steps and schedules (constant rate in stage 1, a cosine schedule in each
+# trainer stage), the same on any machine (a slower one takes longer). SAFETY_MINUTES only guards
+# against a runaway trainer stage; when it stops one early the script says so, and that model is
+# not the recipe's.
 #
-# Settings (environment): ATTNS ("ann dense"), SEED (1), STEPS (1500), WIDE_SHIFT_FROM (1050, 70% of STEPS:
-# the step from which the two-token match trains), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4),
-# BATCH (8), SEQ_LEN (512), LR (1e-2), SAFETY_MINUTES (180), THREADS (2), DATA_DIR
-# (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose), EVAL_LENGTHS
-# ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
+# Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
+# NEEDLE_STEPS (1200), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
+# stages 1 and 2 hold it), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
+# LR (1e-3), NEEDLE_TASKS ("single"), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
+# THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
+# EVAL_LENGTHS ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ATTNS=${ATTNS:-"ann dense"}
 SEED=${SEED:-1}
-STEPS=${STEPS:-1500}
-WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-$((STEPS * 7 / 10))}
+INDUCTION_STEPS=${INDUCTION_STEPS:-800}
+COPY_STEPS=${COPY_STEPS:-600}
+NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
+WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
 HIDDEN=${HIDDEN:-128}
 LAYERS=${LAYERS:-4}
 WINDOW=${WINDOW:-16}
 TOP_N=${TOP_N:-4}
 BATCH=${BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-512}
-LR=${LR:-1e-2}
-SAFETY_MINUTES=${SAFETY_MINUTES:-180}
+LR=${LR:-1e-3}
+NEEDLE_TASKS=${NEEDLE_TASKS:-single}
+COPY_DOCS=${COPY_DOCS:-12000}
+NEEDLE_COPY_DOCS=${NEEDLE_COPY_DOCS:-4000}
+SAFETY_MINUTES=${SAFETY_MINUTES:-120}
 THREADS=${THREADS:-2}
 DATA_DIR=${DATA_DIR:-../shared/data}
 PROSE=${PROSE:-dataset/prose}
@@ -45,39 +58,59 @@ EVAL_LENGTHS=${EVAL_LENGTHS:-"4096 16384 65536"}
 EVAL_TRIALS=${EVAL_TRIALS:-5}
 PPL_TOKENS=${PPL_TOKENS:-131072}
 OUT=${OUT:-out}
-DATA=$PROSE/prose_train.jsonl
 
-# The mix is (re)built when missing or older than the code that writes it.
+# A mix is (re)built when missing or older than the code that writes it. Both have the same
+# train / held-out split; needle documents and copy documents are 112-448 tokens long.
 stale() { for source in scripts/make_prose_data.py dataset/prose.py evaluation/needles.py "$TOKENIZER/tokenizer.json"; do
-    [ "$DATA" -nt "$source" ] || return 0; done; return 1; }
-if stale; then
-    python scripts/make_prose_data.py --data_dir "$DATA_DIR" --out_dir "$PROSE" --tokenizer "$TOKENIZER" \
-        --chunk_tokens $((SEQ_LEN - 24)) --needle_max_tokens $((SEQ_LEN - 64))
-fi
+    [ "$1/prose_train.jsonl" -nt "$source" ] || return 0; done; return 1; }
+build_mix() {  # $1: folder, then make_prose_data.py flags of this mix
+    local folder=$1; shift
+    if stale "$folder"; then
+        python scripts/make_prose_data.py --data_dir "$DATA_DIR" --out_dir "$folder" --tokenizer "$TOKENIZER" \
+            --chunk_tokens $((SEQ_LEN - 24)) --needle_min_tokens 112 --needle_max_tokens $((SEQ_LEN - 64)) "$@"
+    fi
+}
+# Stage 2: 69% copy documents, the prose chunks, 30% of the rest single needles (half of them over a
+# repeated passage). Stage 3: 80% needle documents, with copy documents kept.
+build_mix "$PROSE/copy" --needle_fraction 0.3 --repeat_fraction 0.5 --tasks single --copy_documents "$COPY_DOCS" --seed 5
+# shellcheck disable=SC2086  # NEEDLE_TASKS is a list of words
+build_mix "$PROSE/needles" --needle_fraction 0.8 --tasks $NEEDLE_TASKS --copy_documents "$NEEDLE_COPY_DOCS" --seed 6
 mkdir -p "$OUT"
+
+trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from
+    OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --from_weight "$2" --seed "$SEED" --data_path "$3" \
+        --out_dir "$4" --tokenizer_path "$TOKENIZER" --wide_shift_from_step "$6" --hnsw_ef_search 256 \
+        --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
+        --warmup_steps 30 --epochs 100 --max_steps "$5" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
+        --save_interval 200 > "$4.log" 2>&1 || { echo "training $1 ($4) failed, see $4.log" >&2; return 1; }
+    last=$(tail -n 1 "$4/metrics.jsonl")
+    step=$(python -c 'import json, sys; print(json.loads(sys.argv[1])["step"])' "$last")
+    if [ "$step" -lt "$5" ]; then
+        echo "WARNING: $4 stopped by SAFETY_MINUTES=$SAFETY_MINUTES at step $step of $5: not the recipe's model" >&2
+    fi
+    echo "trained $4 to step $step of $5, last metrics: $last"
+}
 
 train() {  # $1: ann | dense. Everything but the attention is identical in the two runs.
     # What the passkey recipe learned (docs/LONG_CONTEXT.md): a small window so far copies go
     # through retrieved blocks, capped block positions and bounds summaries (the defaults), RoPE
-    # base 1e4, keys smeared over one token and then two (from WIDE_SHIFT_FROM), HNSW efSearch 256.
-    OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --attn "$1" --seed "$SEED" --data_path "$DATA" \
-        --out_dir "$OUT/prose_$1" --tokenizer_path "$TOKENIZER" --preset tiny --hidden_size "$HIDDEN" \
-        --num_hidden_layers "$LAYERS" --rope_theta 10000 --ann_window "$WINDOW" --ann_top_n "$TOP_N" \
-        --key_shift 2 --query_shift 1 --wide_shift_from_step "$WIDE_SHIFT_FROM" --hnsw_ef_search 256 \
-        --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
-        --warmup_steps 30 --epochs 100 --max_steps "$STEPS" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
-        --save_interval 250 > "$OUT/prose_$1.log" 2>&1 || { echo "training $1 failed, see $OUT/prose_$1.log" >&2; return 1; }
-    last=$(tail -n 1 "$OUT/prose_$1/metrics.jsonl")
-    step=$(python -c 'import json, sys; print(json.loads(sys.argv[1])["step"])' "$last")
-    if [ "$step" -lt "$STEPS" ]; then
-        echo "WARNING: $1 stopped by SAFETY_MINUTES=$SAFETY_MINUTES at step $step of $STEPS: not the recipe's model" >&2
-    fi
-    echo "trained $OUT/prose_$1 to step $step of $STEPS, last metrics: $last"
+    # base 1e4, keys smeared over one token and then two, HNSW efSearch 256.
+    local stages="$OUT/prose_$1/stages"
+    mkdir -p "$stages"
+    OMP_NUM_THREADS="$THREADS" python scripts/probe_induction.py --attn "$1" --hidden_size "$HIDDEN" \
+        --num_hidden_layers "$LAYERS" --ann_window "$WINDOW" --ann_top_n "$TOP_N" --key_shift 2 --query_shift 1 \
+        --hold_wide_shift --min_span 20 --max_span 64 --length 256 --batch 16 --lr "$LR" --steps "$INDUCTION_STEPS" \
+        --seed "$SEED" --threads "$THREADS" --json "$stages/induction.json" --save "$stages/induction" \
+        > "$stages/induction.log" 2>&1 || { echo "stage 1 of $1 failed, see $stages/induction.log" >&2; return 1; }
+    echo "stage 1 (induction), last row: $(tail -n 1 "$stages/induction.log")"
+    trainer_stage "$1" "$stages/induction" "$PROSE/copy/prose_train.jsonl" "$stages/copy" "$COPY_STEPS" "$COPY_STEPS"
+    trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$NEEDLE_STEPS" \
+        "$WIDE_SHIFT_FROM"
 }
 
 # shellcheck disable=SC2086  # ATTNS is a list of words
 for attn in $ATTNS; do
-    echo "training the $attn model: $STEPS steps (safety cap $SAFETY_MINUTES minutes)"
+    echo "training the $attn model: $INDUCTION_STEPS + $COPY_STEPS + $NEEDLE_STEPS steps"
     train "$attn"
 done
 
@@ -92,7 +125,7 @@ if [[ " $ATTNS " == *" ann "* ]]; then
     [[ " $ATTNS " == *" dense "* ]] && dense=(--dense "$OUT/prose_dense/model" --dense_max_tokens $((SEQ_LEN * 2)))
     echo "== held-out loss by position =="
     OMP_NUM_THREADS="$THREADS" python scripts/eval_perplexity.py --load "$OUT/prose_ann/model" "${dense[@]}" \
-        --texts "$PROSE"/prose_heldout_*.txt --max_tokens "$PPL_TOKENS" --threads "$THREADS" \
+        --texts "$PROSE"/copy/prose_heldout_*.txt --max_tokens "$PPL_TOKENS" --threads "$THREADS" \
         --json "$OUT/prose_ann/perplexity.json"
 fi
 echo "== every result of this run together =="

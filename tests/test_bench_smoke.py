@@ -111,17 +111,23 @@ def test_bench_retrieval_sharded_graphs_merge_to_the_exact_top_n(tmp_path):
     assert "HNSW per shard, merged" in out
 
 
-def test_bench_retrieval_model_keys(tmp_path):
+def save_tiny_ann_model_and_text(tmp_path, lines):
+    """-> (model folder, text file): a fresh 2-layer ANN model (blocks of 8) and `lines` lines of text."""
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             attn_impl="ann", ann_window=16, ann_block_size=8, ann_top_n=2)
     MiniMindForCausalLM(config).save_pretrained(tmp_path / "model")
     text = tmp_path / "text.txt"
-    text.write_text(" ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(300)))
+    text.write_text(" ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(lines)))
+    return tmp_path / "model", text
+
+
+def test_bench_retrieval_model_keys(tmp_path):
+    model, text = save_tiny_ann_model_and_text(tmp_path, 300)
     json_path = tmp_path / "retrieval.json"
     threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
     try:
-        bench_retrieval.main(["--model", str(tmp_path / "model"), "--text", str(text), "--model_tokens", "1200",
+        bench_retrieval.main(["--model", str(model), "--text", str(text), "--model_tokens", "1200",
                               "--blocks", "16", "64", "1000", "--ef_sweep", "--decode_queries", "4",
                               "--prefill_queries", "8", "--prefill_repeats", "1", "--threads", "1",
                               "--json", str(json_path)])
@@ -132,6 +138,32 @@ def test_bench_retrieval_model_keys(tmp_path):
     assert sorted({row["blocks"] for row in report["rows"]}) == [16, 64]  # 1000 blocks need more tokens: skipped
     check_retrieval_report(report, [16, 64], [64])
     assert report["config"]["keys"].startswith("model")
+
+
+def test_bench_selection_synthetic_keys(tmp_path):
+    json_path = tmp_path / "selection.json"
+    run_script(["benchmarks/bench_selection.py", "--blocks", "2048", "--keys", "random", "needle", "--summary", "bounds",
+                "--queries", "64", "--repeats", "1", "--threads", "1", "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(row["keys"], row["blocks"]) for row in rows] == [("random", 2048), ("needle", 2048)]
+    assert all(row["agree"] for row in rows)
+    needle, random = rows[1], rows[0]
+    assert needle["exact_fraction"] < random["exact_fraction"], "a standout block prunes the rest"
+
+
+def test_bench_selection_model_keys(tmp_path):
+    model, text = save_tiny_ann_model_and_text(tmp_path, 100)
+    json_path = tmp_path / "selection.json"
+    out = run_script(["benchmarks/bench_selection.py", "--model", str(model), "--text", str(text),
+                      "--tokens", "400", "800", "--chunk", "256", "--min_blocks", "0", "--repeats", "1",
+                      "--threads", "1", "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(row["tokens"], row["blocks"]) for row in rows] == [(400, 50), (800, 100)], out
+    assert all(row["agree"] and row["keys"] == "model:text" for row in rows)
+    assert all(0 < row["exact_fraction"] <= 1.5 for row in rows), "the pruned calls were counted"
+    result = subprocess.run([sys.executable, "benchmarks/bench_selection.py", "--model", str(model),
+                             "--text", str(text), "--tokens", "100000"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode != 0 and "fewer than --tokens 100000" in result.stderr
 
 
 def test_bench_serving(tmp_path):

@@ -66,7 +66,20 @@ def test_probe_induction_writes_json_and_png(tmp_path, capsys):
     assert saved.config.vocab_size == 64 and saved.config.hidden_size == 32
 
 
+@pytest.mark.parametrize("hold", [False, True], ids=["trained", "held"])
+def test_probe_induction_holds_the_wide_shift(tmp_path, hold):
+    argv = ["--vocab", "64", "--hidden_size", "32", "--heads", "2", "--length", "64", "--min_span", "8",
+            "--max_span", "20", "--steps", "3", "--key_shift", "2", "--query_shift", "1", "--save", str(tmp_path)]
+    assert probe_induction.main(argv + ["--hold_wide_shift"] * hold) == 0
+    model = MiniMindForCausalLM.from_pretrained(tmp_path)
+    layer = model.model.layers[0].self_attn
+    assert layer.k_shift[0].abs().sum() > 0, "the one-token key shift trains either way"
+    for weights in (layer.k_shift_wide, layer.q_shift):
+        assert (weights.abs().sum() == 0) == hold
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--hold_wide_shift", "--key_shift", "1"], "--hold_wide_shift"),
     (["--min_span", "40", "--max_span", "30"], "--min_span"),
     (["--max_span", "200", "--length", "256"], "two readings"),
     (["--steps", "0"], "--steps"),
