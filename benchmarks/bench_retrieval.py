@@ -46,6 +46,7 @@ from benchmarks.common import (
     format_table,
     machine_info,
     median_ms,
+    model_keys,
     plot_panels,
     png_path_for,
     set_threads,
@@ -53,11 +54,10 @@ from benchmarks.common import (
     write_json,
 )
 from common.cli import UsageError
-from evaluation.loading import load_model, resolve_load_path
 from model.config import MiniMindConfig
 from model.context_parallel import global_top_n, local_selection
 from model.hnsw import HnswRetriever
-from model.retrieval import block_summaries, exact_select, selection_queries
+from model.retrieval import block_summaries, exact_select
 
 
 def parse_args(argv=None):
@@ -116,47 +116,6 @@ def synthetic_blocks(num_blocks, num_queries, kv_heads, head_dim, seed, rank=16,
     query_topics = torch.randint(topics, (num_queries,), generator=generator)
     queries = topic_points[:, query_topics] @ basis + 0.5 * randn(kv_heads, num_queries, head_dim)
     return summaries[None], queries[None]
-
-
-class RecordingCore:
-    """Stands in for one layer's attention core: records its keys and GQA-summed queries."""
-
-    def __init__(self, core, kv_heads):
-        self.core = core
-        self.kv_heads = kv_heads
-        self.keys, self.group_queries = [], []
-
-    def __getattr__(self, name):
-        return getattr(self.core, name)
-
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
-        _, block_q = self.core.query_frames(q, rope)  # what retrieval scores: the blocks' frame
-        block_k = self.core.stored_frame(k, rope)
-        self.keys.append(block_k.detach().float())
-        self.group_queries.append(selection_queries(block_q.detach().float(), self.kv_heads, self.core.summary))
-        return self.core(q, k, v, starts, ends, layer_cache, rope, spans)
-
-
-@torch.inference_mode()
-def model_keys(args):
-    """(keys, group queries), each (1, g, t, d), of one layer over the first --model_tokens of --text."""
-    model, tokenizer = load_model(resolve_load_path(args.model), None, None, torch.device("cpu"))
-    text = Path(args.text).read_text(encoding="utf-8")
-    token_ids = tokenizer(text)["input_ids"][: args.model_tokens]
-    if len(token_ids) < args.model_tokens:
-        print(f"--text has only {len(token_ids)} tokens; using them all")
-    layer = model.config.num_hidden_layers // 2 if args.layer is None else args.layer
-    attention = model.model.layers[layer].self_attn
-    recorder = RecordingCore(attention.core, model.config.num_key_value_heads)
-    attention.core = recorder
-    cache = model.new_cache()
-    input_ids = torch.tensor([token_ids])
-    started = time.perf_counter()
-    for begin in range(0, input_ids.shape[1], args.model_chunk):
-        model(input_ids[:, begin : begin + args.model_chunk], cache=cache, use_cache=True, logits_to_keep=1)
-    print(f"ran {input_ids.shape[1]} tokens through {args.model} in {time.perf_counter() - started:.0f} s; "
-          f"keys of layer {layer}")
-    return torch.cat(recorder.keys, dim=2), torch.cat(recorder.group_queries, dim=2), model.config
 
 
 def hnsw_settings(args, ef_search):
@@ -283,7 +242,9 @@ def main(argv=None):
     num_queries = args.decode_queries + args.prefill_queries
     if args.model:
         try:
-            keys, group_queries, config = model_keys(args)
+            layer = args.layer
+            captured, config = model_keys(args.model, args.text, args.model_tokens, [layer], args.model_chunk)
+            keys, group_queries = captured[config.num_hidden_layers // 2 if layer is None else layer]
         except UsageError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -49,6 +49,7 @@ if __package__ in (None, ""):
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.common import format_table
 from common.cpu_memory import retain_freed_memory
 from evaluation.loading import tokenizer_folder
 from model.config import MiniMindConfig
@@ -259,18 +260,10 @@ def load_models(args):
 
 COLUMNS = [
     ("keys", "keys", "{}"), ("summary", "summary", "{}"), ("blocks", "blocks", "{}"), ("tokens", "tokens", "{}"),
-    ("exact_ms", "exact ms", "{:.2f}"), ("pruned_ms", "pruned ms", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
-    ("exact_fraction", "blocks scored", "{:.3f}"), ("bound_fraction", "bounds scored", "{:.3f}"),
-    ("build_ms", "bounds build ms", "{:.2f}"), ("agree", "same top-n", "{}"),
+    ("exact ms", "exact_ms", "{:.2f}"), ("pruned ms", "pruned_ms", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+    ("blocks scored", "exact_fraction", "{:.3f}"), ("bounds scored", "bound_fraction", "{:.3f}"),
+    ("bounds build ms", "build_ms", "{:.2f}"), ("same top-n", "agree", "{}"),
 ]
-
-
-def format_table(rows):
-    cells = [[label for _, label, _ in COLUMNS]] + [
-        ["-" if row[key] is None else fmt.format(row[key]) for key, _, fmt in COLUMNS] for row in rows
-    ]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells)
 
 
 def main(argv=None):
@@ -288,9 +281,9 @@ def main(argv=None):
                         for num_blocks in args.blocks for kind in args.keys for summary in args.summary)
     for run in measurements:
         rows.append(run())
-        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     print()
-    print(format_table(rows))
+    print(format_table(rows, COLUMNS))
     if args.json:
         config = {key: value for key, value in vars(args).items() if key != "json"}
         machine = dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__)

@@ -166,6 +166,26 @@ def test_bench_selection_model_keys(tmp_path):
     assert result.returncode != 0 and "fewer than --tokens 100000" in result.stderr
 
 
+def test_bench_bounds_model_keys(tmp_path):
+    model, text = save_tiny_ann_model_and_text(tmp_path, 100)
+    json_path = tmp_path / "bounds.json"
+    run_script(["benchmarks/bench_bounds.py", "--model", str(model), "--text", str(text), "--tokens", "800",
+                "--layers", "1", "--queries", "64", "--group_blocks", "1", "4", "--threads", "1", "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert {(row["group_blocks"], row["grouping"]) for row in rows} == {
+        (size, grouping) for size in (1, 4) for grouping in ("positional", "kmeans")}
+    # A query group's queries all score the union it opens: their candidates differ by at most
+    # query_group / block_size blocks, so the union's share may pass 1 by that much.
+    assert all(0 < row["per_query"] <= row["per_query_group"] <= 1 + 64 / 8 / 90 for row in rows)
+    # A group of one block bounds its score exactly: a query opens its top_n blocks, and others only
+    # where they tie with its n-th best (the text repeats, so some blocks are equal).
+    limits = torch.arange(800 - 64, 800).sub(16).div(8, rounding_mode="floor").add(1)
+    top_n_share = 64 * 2 / limits.sum().item()
+    for row in rows:
+        if row["group_blocks"] == 1 and row["grouping"] == "positional":
+            assert top_n_share <= row["per_query"] <= 1.1 * top_n_share
+
+
 def test_bench_serving(tmp_path):
     json_path = tmp_path / "serving.json"
     out = run_script(["benchmarks/bench_serving.py", "--lengths", "64", "160", "--turn_tokens", "8", "--concurrency",
