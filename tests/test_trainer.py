@@ -166,6 +166,9 @@ def test_only_the_wide_shift_group_waits_for_its_step():
         lr = set_learning_rates(optimizer, step, total_steps=10, peak=1e-3, warmup_steps=2, wide_shift_from_step=3)
         assert lr == learning_rate_at(step, 10, 1e-3, 2) > 0
         assert [group["lr"] for group in optimizer.param_groups] == [lr, lr, held_lr]
+    lr = set_learning_rates(optimizer, 5, total_steps=10, peak=1e-3, warmup_steps=2, wide_shift_from_step=3,
+                            wide_shift_scale=10.0)
+    assert [group["lr"] for group in optimizer.param_groups] == [lr, lr, 10.0 * lr]
     narrow = MiniMindConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, key_shift=1)
     assert len(build_optimizer(MiniMindForCausalLM(narrow), 1e-3).param_groups) == 2  # nothing to hold
 
@@ -267,6 +270,7 @@ def test_corrupt_latest_checkpoint_is_skipped(data_dir, tmp_path, capsys):
         (["--from_weight", "no/such/folder"], "not a saved model folder"),
         (["--hnsw_ef_search", "0"], "hnsw_ef_search must be a positive integer"),
         (["--wide_shift_from_step", "-1"], "--wide_shift_from_step must be >= 0"),
+        (["--wide_shift_lr_scale", "0"], "--wide_shift_lr_scale must be a positive number"),
         (["--wide_shift_from_step", "5", "--key_shift", "1"], "holds back a token shift the model does not have"),
         (["--use_wandb"], "wandb"),
     ],

@@ -63,6 +63,9 @@ def parse_args(stage, argv=None):
                    help="hold the token shift beyond a key's first previous token (a key's second, every "
                         "query's) fixed until this optimizer step; a new model's is zero, so with --key_shift 2 "
                         "it first trains as with --key_shift 1")
+    p.add_argument("--wide_shift_lr_scale", type=float, default=1.0,
+                   help="the held token shift's learning rate, once it trains, as a multiple of the schedule's "
+                        "(its weights start at zero, so at a low rate they stay near it)")
     p.add_argument("--attn", default=None, help="ann | dense (default ann, or the --from_weight model's)")
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
@@ -95,6 +98,8 @@ def validate_args(args):
         raise UsageError(f"--max_steps must be -1 (no cap) or >= 1, got {args.max_steps}")
     if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         raise UsageError(f"--learning_rate must be a positive number, got {args.learning_rate}")
+    if not (math.isfinite(args.wide_shift_lr_scale) and args.wide_shift_lr_scale > 0):
+        raise UsageError(f"--wide_shift_lr_scale must be a positive number, got {args.wide_shift_lr_scale}")
     if not args.grad_clip >= 0:
         raise UsageError(f"--grad_clip must be >= 0 (0 disables clipping), got {args.grad_clip}")
     if args.max_minutes is not None and not args.max_minutes > 0:

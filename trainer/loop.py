@@ -92,7 +92,7 @@ def train(stage, args, config, rank, world_size, device):
                 continue
 
             lr = set_learning_rates(optimizer, progress.step, total_steps, args.learning_rate, args.warmup_steps,
-                                    args.wide_shift_from_step)
+                                    args.wide_shift_from_step, args.wide_shift_lr_scale)
             out_of_time = is_main and args.max_minutes is not None and time.time() - start_time > args.max_minutes * 60
             step_loss, step_tokens, stop = agree_across_ranks(group_loss, group_tokens, out_of_time, world_size)
             if not math.isfinite(step_loss):

@@ -7,6 +7,8 @@ whose learning rate the schedule sets to 0 until step S. With lr 0, AdamW's deco
 and the gradient-norm clip leaves them out. A new model's are zero, so until S a --key_shift 2 model
 computes what a --key_shift 1 model computes. Learning the copy with the one-token match first and
 the two-token match after is what forms both within the long-context budget (docs/LONG_CONTEXT.md).
+--wide_shift_lr_scale K trains the group, once released, at K times the schedule's rate: its weights
+start at zero, and at a low rate they stay near it.
 """
 
 import math
@@ -51,12 +53,15 @@ def build_optimizer(model, learning_rate):
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95))
 
 
-def set_learning_rates(optimizer, step, total_steps, peak, warmup_steps, wide_shift_from_step):
+def set_learning_rates(optimizer, step, total_steps, peak, warmup_steps, wide_shift_from_step, wide_shift_scale=1.0):
     """Sets every group's lr for optimizer step `step` (0-based) and returns the schedule's:
-    the wide-shift group's is 0 until step wide_shift_from_step."""
+    the wide-shift group's is 0 until step wide_shift_from_step, then wide_shift_scale times it."""
     lr = learning_rate_at(step, total_steps, peak, warmup_steps)
     for group in optimizer.param_groups:
-        group["lr"] = 0.0 if group.get("wide_shift") and step < wide_shift_from_step else lr
+        if group.get("wide_shift"):
+            group["lr"] = 0.0 if step < wide_shift_from_step else wide_shift_scale * lr
+        else:
+            group["lr"] = lr
     return lr
 
 
