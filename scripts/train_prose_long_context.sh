@@ -26,7 +26,7 @@
 #
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
 # NEEDLE_STEPS (1200), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
-# stages 1 and 2 hold it), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
+# stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
 # THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
 # EVAL_LENGTHS ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
@@ -39,6 +39,7 @@ INDUCTION_STEPS=${INDUCTION_STEPS:-800}
 COPY_STEPS=${COPY_STEPS:-600}
 NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
+WIDE_SHIFT_LR_SCALE=${WIDE_SHIFT_LR_SCALE:-1}
 HIDDEN=${HIDDEN:-128}
 LAYERS=${LAYERS:-4}
 WINDOW=${WINDOW:-16}
@@ -79,7 +80,8 @@ mkdir -p "$OUT"
 
 trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from
     OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --from_weight "$2" --seed "$SEED" --data_path "$3" \
-        --out_dir "$4" --tokenizer_path "$TOKENIZER" --wide_shift_from_step "$6" --hnsw_ef_search 256 \
+        --out_dir "$4" --tokenizer_path "$TOKENIZER" --wide_shift_from_step "$6" \
+        --wide_shift_lr_scale "$WIDE_SHIFT_LR_SCALE" --hnsw_ef_search 256 \
         --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
         --warmup_steps 30 --epochs 100 --max_steps "$5" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
         --save_interval 200 > "$4.log" 2>&1 || { echo "training $1 ($4) failed, see $4.log" >&2; return 1; }
