@@ -34,10 +34,10 @@ import torch
 from common.cli import DTYPES
 from common.cpu_memory import retain_freed_memory
 from evaluation.loading import load_model, resolve_load_path
+from evaluation.selection import model_keys as recorded_keys
 from model.ann_attention import AnnAttention
 from model.config import MiniMindConfig
 from model.dense_attention import DenseAttention
-from model.retrieval import selection_queries
 from model.rope import Rope
 
 from .flex_cores import FlexCore
@@ -387,46 +387,12 @@ def random_qkv(settings, length, generator, requires_grad=False):
     ]
 
 
-class RecordingCore:
-    """Stands in for one layer's attention core: records its keys and GQA-summed queries."""
-
-    def __init__(self, core, kv_heads):
-        self.core = core
-        self.kv_heads = kv_heads
-        self.keys, self.group_queries = [], []
-
-    def __getattr__(self, name):
-        return getattr(self.core, name)
-
-    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
-        _, block_q = self.core.query_frames(q, rope)  # what retrieval scores: the blocks' frame
-        block_k = self.core.stored_frame(k, rope)
-        self.keys.append(block_k.detach().float())
-        self.group_queries.append(selection_queries(block_q.detach().float(), self.kv_heads, self.core.summary))
-        return self.core(q, k, v, starts, ends, layer_cache, rope, spans)
-
-
-@torch.inference_mode()
 def model_keys(model_path, text_path, num_tokens, layers, chunk):
-    """({layer: (keys, group queries), each (1, g, t, d)}, config) of an ANN model over the first
-    `num_tokens` tokens of a text, prefilled `chunk` tokens at a time; `layers` None: every layer,
-    a None entry: the middle one."""
+    """({layer: (keys, group queries), each (1, g, t, d or e)}, config) of an ANN model over the
+    first `num_tokens` tokens of a text (evaluation/selection.model_keys), timed."""
     model, tokenizer = load_model(resolve_load_path(model_path), None, None, torch.device("cpu"))
-    token_ids = tokenizer(Path(text_path).read_text(encoding="utf-8"))["input_ids"][:num_tokens]
-    if len(token_ids) < num_tokens:
-        print(f"{text_path} has only {len(token_ids)} tokens; using them all")
-    count = model.config.num_hidden_layers
-    layers = range(count) if layers is None else [count // 2 if layer is None else layer for layer in layers]
-    recorders = {}
-    for layer in layers:
-        attention = model.model.layers[layer].self_attn
-        recorders[layer] = attention.core = RecordingCore(attention.core, model.config.num_key_value_heads)
-    cache = model.new_cache()
-    input_ids = torch.tensor([token_ids])
     started = time.perf_counter()
-    for begin in range(0, input_ids.shape[1], chunk):
-        model(input_ids[:, begin : begin + chunk], cache=cache, use_cache=True, logits_to_keep=1)
-    print(f"ran {input_ids.shape[1]} tokens through {model_path} in {time.perf_counter() - started:.0f} s; "
-          f"keys of layers {list(recorders)}")
-    captured = {layer: (torch.cat(r.keys, dim=2), torch.cat(r.group_queries, dim=2)) for layer, r in recorders.items()}
+    captured = recorded_keys(model, tokenizer, text_path, num_tokens, layers, chunk)
+    print(f"ran {num_tokens} tokens through {model_path} in {time.perf_counter() - started:.0f} s; "
+          f"keys of layers {list(captured)}")
     return captured, model.config

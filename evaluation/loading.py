@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from common.cli import UsageError
-from model.config import MiniMindConfig
+from model.config import BLOCK_SUMMARIES, MiniMindConfig
 from model.model import MiniMindForCausalLM
 from trainer.checkpoints import TRAINING_ARGS_FILE, list_checkpoints
 
@@ -44,6 +44,20 @@ def apply_run_arguments(args):
     check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+
+
+def add_attention_overrides(parser):
+    """--block_summary and --top_n: selection settings, which change no weights, so an ANN model may
+    be evaluated with others than it was trained with."""
+    parser.add_argument("--block_summary", choices=BLOCK_SUMMARIES, default=None,
+                        help="how blocks are scored for retrieval (default: the model's; 'keys' needs exact retrieval)")
+    parser.add_argument("--top_n", type=int, default=None, help="blocks each query retrieves (default: the model's)")
+
+
+def attention_overrides(args):
+    """{config name: value} of the add_attention_overrides options given."""
+    named = {"ann_block_summary": args.block_summary, "ann_top_n": args.top_n}
+    return {name: value for name, value in named.items() if value is not None}
 
 
 def resolve_load_path(load):
@@ -97,9 +111,9 @@ def tokenizer_folder(folder):
     return folder if (folder / "tokenizer.json").is_file() else SHIPPED_TOKENIZER
 
 
-def load_model(path, attn, retrieval, device):
+def load_model(path, attn, retrieval, device, overrides=None):
     """(model in eval mode, tokenizer) from a model folder or a checkpoint, with attention overrides
-    (None keeps the model's)."""
+    (None keeps the model's; `overrides` maps more config names to values)."""
     try:
         if path.is_dir():
             config = MiniMindConfig.from_pretrained(path)
@@ -112,6 +126,8 @@ def load_model(path, attn, retrieval, device):
             config.attn_impl = attn
         if retrieval is not None:
             config.ann_retrieval = retrieval
+        for name, value in (overrides or {}).items():
+            setattr(config, name, value)
         config.validate_settings()
         if path.is_dir():
             model = MiniMindForCausalLM.from_pretrained(path, config=config)

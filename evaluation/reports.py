@@ -139,3 +139,26 @@ def plot_induction(rows, title, png_path):
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def plot_selection(rows, title, png_path):
+    """scripts/probe_selection.py's rows: share of queries with the needle's block in the top_n by
+    length, one panel per layer, a line per ranking and language."""
+    layers = sorted({row["layer"] for row in rows})
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.6 * len(layers), 3.2), squeeze=False, sharey=True)
+    for ax, layer in zip(axes[0], layers):
+        for lang in dict.fromkeys(row["lang"] for row in rows):
+            own = sorted((row for row in rows if row["layer"] == layer and row["lang"] == lang), key=lambda r: r["length"])
+            for ranking, style in (("summary", "-"), ("max_logit", "--"), ("mass", ":")):
+                ax.plot([length_label(row["length"]) for row in own], [row[f"{ranking}_in_top_n"] for row in own],
+                        style, marker=".", label=f"{lang} {ranking}")
+        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("needle block in top n")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

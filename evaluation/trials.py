@@ -4,6 +4,7 @@ launch the prompt is sharded over the ranks (model/context_parallel.py), every r
 same trials."""
 
 import os
+import random
 import resource
 import sys
 import time
@@ -13,6 +14,11 @@ import torch
 
 from common.cli import UsageError
 from model.context_parallel import join_launch_group, shard_prompt
+
+
+def trial_rng(seed, task, lang, length, index):
+    """A needle trial's own generator: its prompt does not depend on which other trials run."""
+    return random.Random(f"{seed}/{task}/{lang}/{length}/{index}")
 
 
 def spread_depths(trials):

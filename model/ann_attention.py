@@ -4,7 +4,7 @@ relevant earlier blocks of keys.
 Legend of dimension letters:
     b batch            h query heads        g kv heads         r = h / g, query heads per kv head
     s new queries      t keys (positions)   d head dim         m blocks
-    e summary size (2d for bounds, d for mean)
+    e summary size (2d for bounds, d for mean; "keys" scores a block's B keys: (B, d))
     T queries per tile n top_n              B block size       W window (a multiple of B)
     C queries per chunk (C = W, or one chunk per tile)      c chunks per tile     L keys in a slab
 
@@ -16,8 +16,9 @@ Definition (one semantics for training, prefill and decoding). Block j holds pos
                       (model/retrieval.py). With ann_block_summary "bounds" (the default, Quest's),
                       score_j = sum over the GQA group's heads and channels c of
                       max(q_c * max_c, q_c * min_c), the max/min over block j's keys: an upper
-                      bound of the head's largest q . k in the block. With "mean" it is
-                      (sum of the group's queries) . (mean key of block j);
+                      bound of the head's largest q . k in the block. With "keys" it is that
+                      sum of the heads' largest q . k itself (every candidate key scored); with
+                      "mean", (sum of the group's queries) . (mean key of block j);
     attended keys:    the window plus the selected blocks' positions <= t-W, under one softmax per
                       query head. No key counts twice, and missing candidates are just missing.
     positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
@@ -432,6 +433,9 @@ class AnnLayerCache(KVBuffer):
         """
         first = first_position // self.block_size
         end = end_position // self.block_size
+        if self.summary == "keys":  # the stored keys themselves: nothing to copy or keep
+            self.retriever.summaries_changed(first)
+            return block_summaries(self.k, 0, end, self.block_size, self.summary)
         if first == end and self.summaries is not None and self.summaries.shape[2] >= end:  # most decoding steps
             return self.summaries[:, :, :end]
         fresh = block_summaries(self.k, first, end, self.block_size, self.summary)

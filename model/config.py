@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 ATTN_IMPLS = ("dense", "ann")
 RETRIEVERS = ("exact", "hnsw", "auto", "pruned")
 BLOCK_POSITIONS = ("capped", "true")
-BLOCK_SUMMARIES = ("bounds", "mean")
+BLOCK_SUMMARIES = ("bounds", "mean", "keys")
 MAX_TOKEN_SHIFT = 2  # key_shift / query_shift: how many previous tokens a key / query may mix in
 
 # hidden, layers, query heads, kv heads. "tiny" is what the offline CPU demo trains in minutes;
@@ -148,6 +148,11 @@ class MiniMindConfig(PretrainedConfig):
             problems.append(f"ann_block_position must be one of {BLOCK_POSITIONS}, got {self.ann_block_position!r}")
         if self.ann_block_summary not in BLOCK_SUMMARIES:
             problems.append(f"ann_block_summary must be one of {BLOCK_SUMMARIES}, got {self.ann_block_summary!r}")
+        if self.ann_block_summary == "keys" and self.ann_retrieval != "exact":
+            problems.append(
+                f"ann_block_summary 'keys' scores every key of every candidate block, which exact retrieval "
+                f"does and {self.ann_retrieval!r} does not: set ann_retrieval to 'exact'"
+            )
         ann_ok = all(
             [
                 positive_int(name)

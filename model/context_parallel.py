@@ -324,6 +324,9 @@ class ShardedAttention:
     def __init__(self, config, group, shards, tile=PREFILL_TILE):
         if config.attn_impl != "ann":
             raise ValueError(f"context parallelism shards ANN attention, got attn_impl={config.attn_impl!r}")
+        if config.ann_block_summary == "keys":
+            raise ValueError("context parallelism merges per-rank block scores of summaries; ann_block_summary "
+                             "'keys' is single-process only")
         self.ann = AnnAttention(config)
         self.group, self.shards, self.tile = group, shards, tile
         self.window, self.block_size, self.kv_heads = config.ann_window, config.ann_block_size, config.num_key_value_heads

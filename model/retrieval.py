@@ -7,7 +7,13 @@ A block's summary is one vector per KV head, and a query scores the candidate bl
 `candidate_count`) by the inner product of its GQA group's selection vector with each summary and
 keeps the best top_n (`selection_queries` and `block_summaries` below build both: [max key, min
 key] against the split query, or mean key against the summed query). Retrieval is therefore plain maximum inner product
-search, whatever the summary. Two retrievers give the same answer through one interface:
+search, whatever the summary. The summary "keys" is no summary: a block scores the sum over the
+group's heads of each head's largest q . k among the block's keys (what "bounds" upper-bounds),
+so group queries are (b, g, s, r, d) and summaries the blocks' keys (b, g, m, B, d); it scores every
+candidate key, as dense attention's q . k does, and only exact retrieval serves it. Capped keys are
+stored unrotated, so two blocks whose best key is the same token (with the same shifted tokens) tie
+exactly; exact_select takes torch.topk's choice among tied scores.
+Two retrievers give the same answer through one interface:
 
     retriever.select(group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s), top_n, bounds)
         -> block ids (b, g, s, n) long, valid (b, g, s, n) bool
@@ -47,10 +53,13 @@ def selection_queries(q, kv_heads, summary):
 
     "mean": e = d, the group's summed queries. "bounds": e = 2d, [sum of max(q, 0), sum of min(q, 0)]
     over the group's heads, so that its product with a block's [max key, min key] is the sum over
-    heads of each head's upper bound on q . k for any key of the block.
+    heads of each head's upper bound on q . k for any key of the block. "keys": the group's own
+    queries, (b, g, s, r, d).
     """
     b, h, s, d = q.shape
     grouped = q.view(b, kv_heads, h // kv_heads, s, d)
+    if summary == "keys":
+        return grouped.transpose(2, 3)
     if summary == "mean":
         return grouped.sum(dim=2)
     return torch.cat([grouped.clamp(min=0).sum(dim=2), grouped.clamp(max=0).sum(dim=2)], dim=-1)
@@ -61,11 +70,14 @@ def block_summaries(keys, first_block, end_block, block_size, summary):
 
     "mean": e = d, the mean key. "bounds": e = 2d, the channel-wise [max, min] of the block's keys
     (Quest): a block with one key that matches the query scores high however ordinary the rest is,
-    where a mean dilutes that key by the B-1 others.
+    where a mean dilutes that key by the B-1 others. "keys": the block's keys themselves,
+    (b, g, m, B, d), a view when `keys` is contiguous.
     """
     b, g, _, d = keys.shape
     span = keys[:, :, first_block * block_size : end_block * block_size]
     blocks = span.reshape(b, g, end_block - first_block, block_size, d)
+    if summary == "keys":
+        return blocks
     if summary == "mean":
         return blocks.mean(dim=3)
     return torch.cat([blocks.amax(dim=3), blocks.amin(dim=3)], dim=-1)
@@ -91,6 +103,24 @@ def limit_bounds(limits, bounds):
     return int(fewest), int(most)
 
 
+KEYS_PER_SCORING_STEP = 1 << 13
+
+
+def summary_scores(group_queries, summaries):
+    """group_queries (b, g, s, e), summaries (b, g, m, e) -> scores (b, g, s, m): inner products; or
+    for "keys", (b, g, s, r, d) and (b, g, m, B, d) -> the sum over r of the largest q . k over B,
+    KEYS_PER_SCORING_STEP keys at a time so that the (s, r, keys) products stay small."""
+    summaries = summaries.to(group_queries.dtype)
+    if summaries.dim() == 4:
+        return group_queries @ summaries.transpose(-1, -2)
+    block_size = summaries.shape[3]
+    parts = [group_queries.new_zeros(*group_queries.shape[:3], 0)]
+    for part in summaries.split(max(1, KEYS_PER_SCORING_STEP // block_size), dim=2):
+        products = torch.einsum("bgsrd,bgkd->bgsrk", group_queries, part.flatten(2, 3))
+        parts.append(products.unflatten(-1, (part.shape[2], block_size)).amax(dim=-1).sum(dim=3))
+    return torch.cat(parts, dim=-1)
+
+
 def candidate_scores(group_queries, summaries, limits, bounds=None):
     """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> scores (b, g, s, m'), m' <= m.
 
@@ -99,7 +129,7 @@ def candidate_scores(group_queries, summaries, limits, bounds=None):
     """
     fewest, most = limit_bounds(limits, bounds)
     m = min(most, summaries.shape[2])
-    scores = group_queries @ summaries[:, :, :m].transpose(-1, -2).to(group_queries.dtype)
+    scores = summary_scores(group_queries, summaries[:, :, :m])
     # Every query has its first limits.min() blocks as candidates: only the columns past them need
     # masking, in place (a fresh matmul output, the largest tensor here).
     first_masked = min(fewest, m)

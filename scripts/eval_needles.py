@@ -29,7 +29,6 @@ length and depth, one panel per task, language and retrieval.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
 
-import random
 import sys
 from pathlib import Path
 
@@ -43,21 +42,17 @@ from transformers.utils import logging as transformers_logging
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
-from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
+from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
+                                load_model, resolve_load_path, training_seed)
 from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
 from evaluation.reports import plot_needles, write_results
-from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths
+from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths, trial_rng
 from model.config import RETRIEVERS
 
 DEFAULT_LENGTHS = (4096, 16384, 65536, 262144, 1048576)
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-
-def trial_rng(seed, task, lang, length, index):
-    """The trial's own generator: its prompt does not depend on which other trials run."""
-    return random.Random(f"{seed}/{task}/{lang}/{length}/{index}")
 
 
 def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
@@ -144,6 +139,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks")
     p.add_argument("--passage_tokens", type=int, default=0,
                    help="haystack: one held-out passage of this many tokens repeated (0: held-out prose read on)")
+    add_attention_overrides(p)
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -177,10 +173,11 @@ def load_models(path, args):
     """{retrieval: model} for an ANN model (the same weights once per retrieval), {None: model} for
     a dense one, and the tokenizer."""
     device = torch.device(args.device)
-    model, tokenizer = load_model(path, None, args.retrievals[0], device)
+    overrides = attention_overrides(args)
+    model, tokenizer = load_model(path, None, args.retrievals[0], device, overrides)
     if model.config.attn_impl != "ann":
         return {None: model}, tokenizer
-    others = {retrieval: load_model(path, None, retrieval, device)[0] for retrieval in args.retrievals[1:]}
+    others = {retrieval: load_model(path, None, retrieval, device, overrides)[0] for retrieval in args.retrievals[1:]}
     return {args.retrievals[0]: model, **others}, tokenizer
 
 
@@ -214,7 +211,8 @@ def main(argv=None):
     if args.json and not (group and group.rank):
         run_config = {
             "load": str(path), "attn": config.attn_impl, "ann_window": config.ann_window,
-            "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n, "hnsw_m": config.hnsw_m,
+            "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n,
+            "ann_block_summary": config.ann_block_summary, "hnsw_m": config.hnsw_m,
             "hnsw_ef_search": config.hnsw_ef_search, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,
             "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "needle_seed": args.seed, "model_seed": seed,

@@ -35,7 +35,8 @@ from transformers.utils import logging as transformers_logging
 
 from common.cli import OneLineParser, UsageError
 from common.cpu_memory import retain_freed_memory
-from evaluation.loading import add_run_arguments, apply_run_arguments, load_model, resolve_load_path, training_seed
+from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
+                                load_model, resolve_load_path, training_seed)
 from evaluation.reports import plot_losses, write_results
 
 BUCKET_EDGES = (0, 512, 4096, 16384, 65536)
@@ -155,6 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--recent_context", type=int, default=0,
                    help="also score the ANN model with only this many tokens before each --chunk piece "
                         "(variant recent_context; 0: not scored)")
+    add_attention_overrides(p)
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -192,7 +194,7 @@ def main(argv=None):
         apply_run_arguments(args)
         device = torch.device(args.device)
         path = resolve_load_path(args.load)
-        model, tokenizer = load_model(path, None, None, device)
+        model, tokenizer = load_model(path, None, None, device, attention_overrides(args))
         if model.config.attn_impl != "ann":
             raise UsageError(f"--load {path}: a dense model; pass the ANN model to --load and this one to --dense")
         dense_path = resolve_load_path(args.dense) if args.dense else None
@@ -201,9 +203,11 @@ def main(argv=None):
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    print(f"model: {path} (window {model.config.ann_window}, top {model.config.ann_top_n}), "
+    print(f"model: {path} (window {model.config.ann_window}, top {model.config.ann_top_n}, "
+          f"{model.config.ann_block_summary} summaries), "
           f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
     seed = training_seed(path)
+    selection = {"ann_top_n": model.config.ann_top_n, "ann_block_summary": model.config.ann_block_summary}
     rows = rows_for(str(path), seed, "retrieval", score_texts(
         tokenizer, args.texts, args.max_tokens, lambda ids: position_losses(model, ids, args.chunk)))
     if args.recent_context:
@@ -219,8 +223,7 @@ def main(argv=None):
     if args.json:
         run_config = {"load": str(path), "dense": str(dense_path) if dense_path else None, "texts": args.texts,
                       "max_tokens": args.max_tokens, "dense_max_tokens": args.dense_max_tokens, "chunk": args.chunk,
-                      "recent_context": args.recent_context,
-                      "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
+                      "recent_context": args.recent_context, **selection, "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
         write_results(args.json, {"config": run_config, "rows": rows}, plot_losses, f"held-out loss by position: {path}")
     return 0
 

@@ -29,9 +29,10 @@ def run(core, q, k, v, starts=None, ends=None, cache=None):
 
 
 def reference_block_scores(block_q, block_k, block_size, summary):
-    """(b, g, t_query, m) scores of every complete block: the group's summed queries . mean key, or
-    the sum over the group's heads of max over the block's keys of the channel-wise products'
-    upper bound, sum_c max(q_c * k_c) for k in the block, spelled out channel by channel."""
+    """(b, g, t_query, m) scores of every complete block: the group's summed queries . mean key; the
+    sum over the group's heads of max over the block's keys of q . k ("keys"); or of the
+    channel-wise products' upper bound, sum_c max(q_c * k_c) for k in the block, spelled out
+    channel by channel ("bounds")."""
     b, h, length, d = block_q.shape
     g = block_k.shape[1]
     num_blocks = length // block_size
@@ -39,6 +40,8 @@ def reference_block_scores(block_q, block_k, block_size, summary):
     grouped_q = block_q.reshape(b, g, h // g, length, d)
     if summary == "mean":
         return grouped_q.sum(2) @ blocks.mean(3).transpose(-1, -2)
+    if summary == "keys":  # each head's largest q . k in the block, summed over the group's heads
+        return (grouped_q[:, :, :, :, None, None, :] * blocks[:, :, None, None]).sum(-1).amax(dim=5).sum(dim=2)
     # products (b, g, r, t_query, m, B, d): each channel's largest product over the block's keys
     products = grouped_q[:, :, :, :, None, None, :] * blocks[:, :, None, None]
     return products.amax(dim=5).sum(dim=-1).sum(dim=2)
@@ -138,7 +141,7 @@ GRID = list(
         [(4, 4), (4, 2)],  # (heads, kv heads): MHA and GQA
         [2],  # batch (rows are independent; batch 1 is covered by the decoding and model tests)
         ["capped", "true"],  # ann_block_position
-        ["bounds", "mean"],  # ann_block_summary
+        ["bounds", "mean", "keys"],  # ann_block_summary
     )
 )
 
@@ -350,7 +353,7 @@ def general_path_only(monkeypatch):
 @pytest.mark.parametrize("window,block_size,top_n", [(16, 8, 1), (16, 8, 3), (8, 4, 10_000), (12, 4, 2)])
 @pytest.mark.parametrize("heads,batch", [((4, 4), 1), ((4, 2), 2)], ids=["mha-b1", "gqa-b2"])
 @pytest.mark.parametrize("block_position", ["capped", "true"])
-@pytest.mark.parametrize("summary", ["bounds", "mean"])
+@pytest.mark.parametrize("summary", ["bounds", "mean", "keys"])
 def test_decode_step_equals_the_tiled_path(monkeypatch, window, block_size, top_n, heads, batch, block_position, summary):
     """The one-token decode shortcut gives what the general tiled path gives, step by step from
     positions below the window (dense) through every phase of a block, with top_n below and
@@ -499,11 +502,11 @@ def test_old_configs_with_a_key_shift_switch_mean_one_token():
         MiniMindConfig(query_shift=-1)
 
 
-@pytest.mark.parametrize("summary", ["bounds", "mean"])
+@pytest.mark.parametrize("summary", ["bounds", "mean", "keys"])
 def test_bounds_summary_finds_a_block_by_its_one_matching_key(summary):
     """The passkey situation: one key of a block matches the query, the block's other keys do not.
-    Filler blocks all match a little. Bounds ranks the needle's block first; the mean, diluted by
-    the 15 mismatching keys, ranks it last."""
+    Filler blocks all match a little. Bounds and keys rank the needle's block first; the mean,
+    diluted by the 15 mismatching keys, ranks it last."""
     block_size, d, num_blocks, needle = 16, 8, 12, 5
     generator = torch.Generator().manual_seed(0)
     query = torch.nn.functional.normalize(torch.randn(d, generator=generator, dtype=torch.float64), dim=0)
@@ -514,7 +517,7 @@ def test_bounds_summary_finds_a_block_by_its_one_matching_key(summary):
     selecting = retrieval.selection_queries(query.expand(1, 4, 1, d), 1, summary)
     block_ids, valid = exact_select(selecting, summaries, torch.tensor([[num_blocks]]), top_n=num_blocks)
     ranking = block_ids[0, 0, 0][valid[0, 0, 0]].tolist()
-    assert ranking.index(needle) == (0 if summary == "bounds" else num_blocks - 1)
+    assert ranking.index(needle) == (num_blocks - 1 if summary == "mean" else 0)
 
 
 HOST_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")

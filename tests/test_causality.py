@@ -20,7 +20,7 @@ VOCAB = 64
 AUTO_THRESHOLD = 40  # candidate blocks: crossed at position 16 + 39 * 8 = 328, inside every sequence below
 
 
-def tiny_model(retrieval, summary, block_position, layers):
+def tiny_model(retrieval, summary, block_position, layers, key_shift=0):
     return ann_model(
         retrieval,
         vocab_size=VOCAB,
@@ -29,6 +29,7 @@ def tiny_model(retrieval, summary, block_position, layers):
         ann_top_n=3,
         ann_block_summary=summary,
         ann_block_position=block_position,
+        key_shift=key_shift,
         ann_auto_threshold=AUTO_THRESHOLD,
         hnsw_m=4,
         hnsw_ef_construction=16,
@@ -40,13 +41,16 @@ def random_tokens(length, seed):
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-retrievers = pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto", "pruned"])
-summaries = pytest.mark.parametrize("summary", ["bounds", "mean"])
+RETRIEVALS = ["exact", "hnsw", "auto", "pruned"]
+retrievers = pytest.mark.parametrize("retrieval", RETRIEVALS)
+# "keys" (every candidate key scored) is served by exact retrieval only
+retrievals_and_summaries = pytest.mark.parametrize(
+    "retrieval,summary", [(r, s) for r in RETRIEVALS for s in ("bounds", "mean")] + [("exact", "keys")]
+)
 block_positions = pytest.mark.parametrize("block_position", ["capped", "true"])
 
 
-@retrievers
-@summaries
+@retrievals_and_summaries
 @block_positions
 @pytest.mark.parametrize(
     "length",
@@ -84,15 +88,19 @@ def prefill_and_decode(model, prompt, chunk, new_tokens):
 PROMPT_LENGTH = 480  # 58 candidate blocks for the last prompt token
 
 
-@retrievers
+@pytest.mark.parametrize("retrieval,summary", [(r, "bounds") for r in RETRIEVALS] + [("exact", "keys")])
 @block_positions
 @pytest.mark.parametrize("chunk", [1, 7, 100], ids=lambda chunk: f"chunk{chunk}")
 @torch.inference_mode()
-def test_prefill_chunk_size_changes_no_logit_and_no_greedy_token(retrieval, block_position, chunk):
+def test_prefill_chunk_size_changes_no_logit_and_no_greedy_token(retrieval, summary, block_position, chunk):
     """Two layers: the second layer's keys come from outputs that each chunk size computes on its
-    own path (masked SDPA, tiles, single-token steps). The summary is the default: it changes what
-    is scored, not which blocks a call can see (the causality grid runs both)."""
-    model = tiny_model(retrieval, "bounds", block_position, layers=2)
+    own path (masked SDPA, tiles, single-token steps). Bounds for every retrieval, and "keys", whose
+    summaries are the cache's keys themselves (the causality grid runs mean too).
+
+    Capped keys are unrotated, so under "keys" two blocks whose best key is the same token tie
+    exactly, and torch.topk's choice among tied blocks may differ between call shapes; with keys
+    that mix the two previous tokens in, a tie needs a repeated 3-gram."""
+    model = tiny_model(retrieval, summary, block_position, layers=2, key_shift=2 if summary == "keys" else 0)
     prompt = random_tokens(PROMPT_LENGTH, seed=1)
     whole_logits, whole_tokens = prefill_and_decode(model, prompt, PROMPT_LENGTH, 8)
     logits, tokens = prefill_and_decode(model, prompt, chunk, 8)

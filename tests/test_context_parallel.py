@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from model.context_parallel import Partial, ShardGroup, global_top_n, local_top_n, merge_partials
+from model import MiniMindConfig
+from model.context_parallel import Partial, ShardedAttention, ShardGroup, global_top_n, local_top_n, merge_partials
 from tests import context_parallel_worker as worker
 
 TOLERANCE = 1e-5
@@ -110,3 +111,11 @@ def test_one_rank_merge_is_the_softmax():
     weights = torch.exp(logits - top[:, None])
     out = merge_partials(ShardGroup(), Partial(top, weights.sum(-1), weights @ values), None)
     torch.testing.assert_close(out, logits.softmax(-1) @ values, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_keys_summaries_are_refused_with_the_reason():
+    """"keys" scores every key of a block, which the ranks' merge of per-block summary scores does
+    not carry: a sharded layer refuses it at construction."""
+    config = MiniMindConfig(hidden_size=32, num_attention_heads=4, attn_impl="ann", ann_block_summary="keys")
+    with pytest.raises(ValueError, match="'keys' is single-process only"):
+        ShardedAttention(config, group=None, shards=None)

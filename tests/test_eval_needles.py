@@ -1,7 +1,8 @@
 """The prose recipe end to end at toy size: a few training steps on the prose mix, then
 scripts/eval_needles.py (every task and language, exact and HNSW, JSON and PNG),
-scripts/eval_perplexity.py (loss by position bucket for retrieval, window only and dense) and
-scripts/probe_repeats.py (loss on held-out passages read again)."""
+scripts/eval_perplexity.py (loss by position bucket for retrieval, window only and dense),
+scripts/probe_repeats.py (loss on held-out passages read again) and scripts/probe_selection.py
+(where selection ranks the needle's block)."""
 
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from evaluation.loading import load_model
 from evaluation.copying import repeated_passage_losses
-from scripts import collect_long_context, eval_needles, eval_perplexity, make_prose_data, probe_repeats
+from scripts import collect_long_context, eval_needles, eval_perplexity, make_prose_data, probe_repeats, probe_selection
 from tests.prose_corpus import write_corpus
 from tests.torchrun_launch import torchrun
 from trainer import train_pretrain
@@ -84,7 +85,8 @@ def test_eval_needles_writes_rows_per_task_and_retrieval(trained, corpus_dir, tm
 def test_dense_model_skips_lengths_past_its_cap(trained, corpus_dir, tmp_path, capsys, monkeypatch):
     json_path = tmp_path / "dense.json"
     original = eval_needles.load_model
-    monkeypatch.setattr(eval_needles, "load_model", lambda path, attn, retrieval, device: original(path, "dense", None, device))
+    monkeypatch.setattr(eval_needles, "load_model",
+                        lambda path, attn, retrieval, device, overrides=None: original(path, "dense", None, device))
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "600",
                               "--tasks", "single", "--langs", "en", "--trials", "1", "--dense_max_length", "400",
                               "--json", str(json_path)]) == 0
@@ -121,7 +123,8 @@ def test_torchrun_launch_shards_every_prompt_and_answers_as_one_process(trained,
 
 def test_torchrun_launch_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):
     original = eval_needles.load_model
-    monkeypatch.setattr(eval_needles, "load_model", lambda path, attn, retrieval, device: original(path, "dense", None, device))
+    monkeypatch.setattr(eval_needles, "load_model",
+                        lambda path, attn, retrieval, device, overrides=None: original(path, "dense", None, device))
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300"]) == 2
     assert "a torchrun launch shards ANN attention only" in capsys.readouterr().err
@@ -284,3 +287,54 @@ def test_probe_repeats_bad_arguments_exit_2(trained, corpus_dir, capsys, argv, m
     assert probe_repeats.main(["--load", str(trained), "--data_dir", str(corpus_dir), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_probe_selection_ranks_the_needle_block_per_layer(trained, corpus_dir, tmp_path, capsys):
+    json_path = tmp_path / "selection.json"
+    assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
+                                 "--trials", "2", "--prefill_chunk", "100", "--json", str(json_path)]) == 0
+    result = json.loads(json_path.read_text())
+    rows = result["rows"]
+    assert result["config"]["summary"] == "bounds" and result["config"]["top_n"] == 2
+    assert sorted((row["lang"], row["layer"]) for row in rows) == [("en", 0), ("zh", 0)]
+    for row in rows:
+        assert row["trials"] == 2 and 10 < row["candidates"] <= 340 // 16  # prompts of 300 +- 40 tokens
+        for ranking in ("summary", "max_logit", "mass"):
+            assert 1 <= row[f"{ranking}_median_rank"] <= row["candidates"]
+            assert 0.0 <= row[f"{ranking}_in_top_n"] <= 1.0
+    assert json_path.with_suffix(".png").read_bytes()[:8] == PNG
+    # Scoring by each head's best key is what max_logit ranks by: the two rankings agree.
+    keys_path = tmp_path / "selection_keys.json"
+    assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2",
+                                 "--block_summary", "keys", "--json", str(keys_path)]) == 0
+    for row in json.loads(keys_path.read_text())["rows"]:
+        assert row["summary_median_rank"] == row["max_logit_median_rank"]
+        assert row["summary_in_top_n"] == row["max_logit_in_top_n"]
+
+
+def test_probe_selection_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):
+    original = probe_selection.load_model
+    monkeypatch.setattr(probe_selection, "load_model",
+                        lambda path, attn, retrieval, device, overrides=None: original(path, "dense", None, device))
+    assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300"]) == 2
+    assert "only ANN attention selects blocks" in capsys.readouterr().err
+
+
+def test_selection_overrides_reach_the_evaluated_model(trained, corpus_dir, prose_dir, tmp_path, capsys):
+    """--block_summary and --top_n change the loaded model's selection, and the JSON says so; keys
+    with HNSW is refused with the reason."""
+    json_path = tmp_path / "keys.json"
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--tasks", "single",
+                              "--langs", "en", "--trials", "1", "--retrievals", "exact", "--block_summary", "keys",
+                              "--top_n", "3", "--json", str(json_path)]) == 0
+    config = json.loads(json_path.read_text())["config"]
+    assert (config["ann_block_summary"], config["ann_top_n"]) == ("keys", 3)
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
+                              "--block_summary", "keys"]) == 2
+    assert "set ann_retrieval to 'exact'" in capsys.readouterr().err
+    perplexity_path = tmp_path / "perplexity_keys.json"
+    assert eval_perplexity.main(["--load", str(trained), "--texts", str(prose_dir / "prose_heldout_kjv.txt"),
+                                 "--max_tokens", "300", "--chunk", "128", "--block_summary", "keys",
+                                 "--json", str(perplexity_path)]) == 0
+    config = json.loads(perplexity_path.read_text())["config"]
+    assert (config["ann_block_summary"], config["ann_top_n"]) == ("keys", 2)

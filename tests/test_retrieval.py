@@ -5,6 +5,7 @@ import torch
 
 from model import MiniMindConfig
 from model.hnsw import HnswRetriever
+from model import retrieval
 from model.retrieval import AutoRetriever, build_retriever, candidate_count, exact_select
 from tests.summaries import selected_sets, structured_summaries
 
@@ -58,6 +59,8 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(hidden_size=100, num_attention_heads=3), "must divide hidden_size"),
         (dict(num_attention_heads=8, num_key_value_heads=3), "must divide num_attention_heads"),
         (dict(hnsw_m=0), "hnsw_m must be a positive integer"),
+        (dict(ann_block_summary="keys", ann_retrieval="hnsw"), "set ann_retrieval to 'exact'"),
+        (dict(ann_block_summary="keys", ann_retrieval="pruned"), "set ann_retrieval to 'exact'"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):
@@ -70,3 +73,31 @@ def test_build_retriever_names():
     assert type(build_retriever(config, "hnsw")).__name__ == "HnswRetriever"
     with pytest.raises(ValueError, match="unknown retrieval"):
         build_retriever(config, "nearest")
+
+
+@pytest.mark.parametrize("step", [4, 16, 1 << 13], ids=["1-block-steps", "4-block-steps", "one-step"])
+def test_keys_scores_are_each_heads_best_key_summed_over_the_group(monkeypatch, step):
+    """"keys" scores a block by the sum over the group's heads of each head's largest q . k, in
+    steps of KEYS_PER_SCORING_STEP keys; every step size gives the spelled-out scores, and exact
+    selection takes the top of them."""
+    monkeypatch.setattr(retrieval, "KEYS_PER_SCORING_STEP", step)
+    generator = torch.Generator().manual_seed(5)
+    b, h, g, s, d, block_size, m = 2, 4, 2, 6, 8, 4, 9
+    q = torch.randn(b, h, s, d, generator=generator, dtype=torch.float64)
+    keys = torch.randn(b, g, m * block_size, d, generator=generator, dtype=torch.float64)
+    group_queries = retrieval.selection_queries(q, g, "keys")
+    summaries = retrieval.block_summaries(keys, 0, m, block_size, "keys")
+    scores = retrieval.summary_scores(group_queries, summaries)
+    for row, head, query, block in [(0, 0, 0, 0), (1, 1, 5, 8), (0, 1, 3, 4)]:
+        heads = range(head * (h // g), (head + 1) * (h // g))
+        block_keys = keys[row, head, block * block_size : (block + 1) * block_size]
+        expected = sum(max(float(q[row, r, query] @ key) for key in block_keys) for r in heads)
+        assert abs(float(scores[row, head, query, block]) - expected) < 1e-10
+    ids, valid = exact_select(group_queries, summaries, torch.full((b, s), m), top_n=3)
+    assert valid.all() and torch.equal(ids.sort(dim=-1).values, scores.topk(3, dim=-1).indices.sort(dim=-1).values)
+
+
+def test_keys_summaries_are_the_stored_keys_not_a_copy():
+    keys = torch.randn(1, 2, 40, 8)
+    summaries = retrieval.block_summaries(keys, 0, 5, 8, "keys")
+    assert summaries.shape == (1, 2, 5, 8, 8) and summaries.data_ptr() == keys.data_ptr()

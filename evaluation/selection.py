@@ -1,0 +1,139 @@
+"""How a trained model's block selection ranks the block a query needs: the tools behind
+scripts/probe_selection.py and the benchmarks that run on a model's own keys.
+
+Legend (as in model/ann_attention.py):
+    h heads   g kv heads   t keys   d head dim   m candidate blocks   e summary dim
+
+A query at position t selects its top_n candidate blocks (those ending at or before t - W) by
+summary score (model/retrieval.py). For one target block this module ranks it three ways among
+the query's candidates, per kv head (a GQA group selects its blocks together):
+
+    summary    the score selection uses: the group's query against the block's summary
+    max_logit  sum over the group's heads of each head's largest q . k / sqrt(d) in the block: the
+               score a perfectly tight bounds summary would give
+    mass       log of the attention weight the group's heads would give the block's keys if every
+               candidate were visible (log-sum-exp of q . k / sqrt(d) over heads and keys)
+
+A target that ranks high by max_logit or mass but low by summary is lost to the summary; one that
+ranks low by all three is lost to the queries and keys themselves.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+
+from model.retrieval import block_summaries, candidate_count, selection_queries, summary_scores
+
+RANKINGS = ("summary", "max_logit", "mass")
+
+
+class RecordingCore:
+    """Stands in for one layer's attention core and records, in the frame retrieval scores in, its
+    stored keys (b, g, t, d) and per-head queries (b, h, t, d) of every call, in call order."""
+
+    def __init__(self, core, kv_heads):
+        self.core = core
+        self.kv_heads = kv_heads
+        self.keys, self.queries = [], []
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
+        _, block_q = self.core.query_frames(q, rope)
+        self.keys.append(self.core.stored_frame(k, rope).detach().float())
+        self.queries.append(block_q.detach().float())
+        return self.core(q, k, v, starts, ends, layer_cache, rope, spans)
+
+    def recorded(self):
+        """(keys (b, g, t, d), queries (b, h, t, d)) of everything recorded."""
+        return torch.cat(self.keys, dim=2), torch.cat(self.queries, dim=2)
+
+    def group_queries(self):
+        """(b, g, t, e): the GQA group vectors that score blocks (model/retrieval.selection_queries)."""
+        return selection_queries(torch.cat(self.queries, dim=2), self.kv_heads, self.core.summary)
+
+
+def record_layers(model, layers=None):
+    """Wrap the attention cores of `layers` (None: all) in RecordingCores -> {layer: recorder}."""
+    layers = range(model.config.num_hidden_layers) if layers is None else layers
+    recorders = {}
+    for layer in layers:
+        attention = model.model.layers[layer].self_attn
+        recorders[layer] = attention.core = RecordingCore(attention.core, model.config.num_key_value_heads)
+    return recorders
+
+
+@torch.inference_mode()
+def prefill(model, token_ids, chunk):
+    """Run token_ids (a list) through model's KV cache `chunk` tokens at a time (0: at once)."""
+    cache = model.new_cache()
+    input_ids = torch.tensor([token_ids], device=model.device)
+    step = chunk or input_ids.shape[1]
+    for begin in range(0, input_ids.shape[1], step):
+        model(input_ids[:, begin : begin + step], cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def rank_of(scores, target):
+    """scores (g, m), target block index -> (g,) its 1-based rank: 1 + how many score strictly higher."""
+    return (scores > scores[:, target : target + 1]).sum(dim=1) + 1
+
+
+def block_scores(queries, keys, position, window, block_size, summary):
+    """One position's queries (h, d) and the keys (g, t, d) before it, both in the block frame ->
+    {ranking: scores (g, m)} over its m candidate blocks (RANKINGS)."""
+    h, d = queries.shape
+    g = keys.shape[0]
+    m = int(candidate_count(torch.tensor(position), window, block_size))
+    summaries = block_summaries(keys[None], 0, m, block_size, summary)
+    group_queries = selection_queries(queries[None, :, None], g, summary)
+    logits = torch.einsum("grd,gkd->grk", queries.view(g, h // g, d), keys[:, : m * block_size]) / math.sqrt(d)
+    logits = logits.view(g, h // g, m, block_size)
+    return {
+        "summary": summary_scores(group_queries, summaries)[0, :, 0],
+        "max_logit": logits.amax(dim=3).sum(dim=1),
+        "mass": logits.transpose(1, 2).reshape(g, m, -1).logsumexp(dim=2),
+    }
+
+
+def target_ranks(queries, keys, position, target_position, window, block_size, summary):
+    """{ranking: (g,) rank of the block holding target_position} for the query at `position`, and
+    the number of candidate blocks; None when that block is not a candidate (it is in the window)."""
+    scores = block_scores(queries, keys, position, window, block_size, summary)
+    candidates = scores["summary"].shape[1]
+    target = target_position // block_size
+    if target >= candidates:
+        return None, candidates
+    return {ranking: rank_of(values, target) for ranking, values in scores.items()}, candidates
+
+
+def value_position(tokenizer, token_ids, value):
+    """Index of the first token of the last run of tokens that spells `value` (an int) -> int, or
+    None. Digits may share their first token with a leading space: the run's text is stripped."""
+    digits = str(value)
+    pieces = [tokenizer.decode([token]) for token in token_ids]
+    for start in range(len(pieces) - 1, -1, -1):
+        text = ""
+        for piece in pieces[start:]:
+            text += piece
+            stripped = text.strip()
+            if stripped == digits:
+                return start
+            if not digits.startswith(stripped):
+                break
+    return None
+
+
+def model_keys(model, tokenizer, text_path, num_tokens, layers, chunk):
+    """{layer: (keys, group queries), each (1, g, t, d or e)} of a loaded ANN model over the first
+    `num_tokens` tokens of a text, prefilled `chunk` at a time; layers None: every layer, a None
+    entry: the middle one."""
+    token_ids = tokenizer(Path(text_path).read_text(encoding="utf-8"))["input_ids"][:num_tokens]
+    if len(token_ids) < num_tokens:
+        print(f"{text_path} has only {len(token_ids)} tokens; using them all")
+    count = model.config.num_hidden_layers
+    layers = range(count) if layers is None else [count // 2 if layer is None else layer for layer in layers]
+    recorders = record_layers(model, layers)
+    prefill(model, token_ids, chunk)
+    return {layer: (recorder.recorded()[0], recorder.group_queries()) for layer, recorder in recorders.items()}

@@ -1,0 +1,58 @@
+"""evaluation/selection.py: where a query ranks a target block by summary, best key and attention mass."""
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from evaluation.selection import block_scores, target_ranks, value_position
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "model" / "tokenizer_prose"
+
+
+def planted_keys():
+    """Two kv heads of one query head each, d 2, blocks of 2, window 2, query (1, 1) at position 8:
+    candidate blocks 0..3. Block 1 holds one key along the query (q . k = 2) and a zero key; the
+    other blocks hold (2, -2) and (-2, 2), which the query scores 0 each, but whose channel-wise
+    [max, min] bound scores 4."""
+    spread = torch.tensor([[2.0, -2.0], [-2.0, 2.0]])
+    blocks = [spread, torch.tensor([[1.0, 1.0], [0.0, 0.0]]), spread, spread, spread]
+    keys = torch.cat(blocks)[None].expand(2, -1, -1).contiguous()  # (g, t, d)
+    queries = torch.ones(2, 2)  # (h, d)
+    return queries, keys
+
+
+def test_bounds_ranks_the_needle_below_loose_blocks_where_the_best_key_ranks_it_first():
+    queries, keys = planted_keys()
+    ranks, candidates = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="bounds")
+    assert candidates == 4
+    assert ranks["summary"].tolist() == [4, 4]  # three blocks bound higher
+    assert ranks["max_logit"].tolist() == [1, 1] and ranks["mass"].tolist() == [1, 1]
+    ranks, _ = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="keys")
+    assert ranks["summary"].tolist() == [1, 1]
+
+
+def test_scores_follow_their_definitions():
+    queries, keys = planted_keys()
+    scores = block_scores(queries, keys, 8, 2, 2, "keys")
+    assert torch.allclose(scores["summary"], scores["max_logit"] * math.sqrt(2))  # the same ranking, unscaled
+    expected_mass = math.log(math.exp(2 / math.sqrt(2)) + 1.0)
+    assert abs(float(scores["mass"][0, 1]) - expected_mass) < 1e-6
+
+
+def test_a_target_in_the_window_is_no_candidate():
+    queries, keys = planted_keys()
+    ranks, candidates = target_ranks(queries, keys, 8, 8, window=2, block_size=2, summary="bounds")
+    assert ranks is None and candidates == 4
+
+
+def test_value_position_finds_the_numbers_first_token():
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    for text, value in [("The special magic number for amber falcon is 4821937. And then", 4821937),
+                        ("金色猎鹰的特别魔法数字是95512。曹操", 95512)]:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        start = value_position(tokenizer, ids, value)
+        assert tokenizer.decode(ids[start:]).strip().startswith(str(value))
+        assert not tokenizer.decode(ids[:start]).strip().endswith(str(value)[0])
+        assert value_position(tokenizer, ids, 1234567) is None
