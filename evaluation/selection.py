@@ -15,12 +15,17 @@ the query's candidates, per kv head (a GQA group selects its blocks together):
                candidate were visible (log-sum-exp of q . k / sqrt(d) over heads and keys)
 
 A target that ranks high by max_logit or mass but low by summary is lost to the summary; one that
-ranks low by all three is lost to the queries and keys themselves.
+ranks low by all three is lost to the queries and keys themselves. Optionally a fourth ranking,
+hnsw_keys, tries what a key-level index would find: an HNSW graph over the candidate keys of each
+kv head (`hnsw_key_scores`).
 """
 
 import math
+import time
 from pathlib import Path
 
+import faiss
+import numpy as np
 import torch
 
 from model.retrieval import block_summaries, candidate_count, selection_queries, summary_scores
@@ -80,9 +85,36 @@ def rank_of(scores, target):
     return (scores > scores[:, target : target + 1]).sum(dim=1) + 1
 
 
-def block_scores(queries, keys, position, window, block_size, summary):
+def hnsw_key_scores(queries, keys, block_size, found, settings):
+    """queries (h, d), the m blocks' keys (g, m*B, d) -> (block scores (g, m), seconds building the
+    graphs). Per kv head, an HNSW graph (faiss, inner product; settings = (M, efConstruction,
+    efSearch)) over the keys, searched with each of the group's queries for its `found` best keys.
+    A block scores the sum over heads of the best key each head found in it; a head that found none
+    counts its `found`-th score, all that an unseen key can score if the search was exact."""
+    h, d = queries.shape
+    g, t, _ = keys.shape
+    m = t // block_size
+    scores = torch.zeros(g, m, dtype=torch.float64)
+    building = 0.0
+    for head, (group_keys, group_queries) in enumerate(zip(keys, queries.view(g, h // g, d))):
+        graph_m, ef_construction, ef_search = settings
+        index = faiss.IndexHNSWFlat(d, graph_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction, index.hnsw.efSearch = ef_construction, ef_search
+        started = time.perf_counter()
+        index.add(np.ascontiguousarray(group_keys.numpy(), dtype=np.float32))
+        building += time.perf_counter() - started
+        values, ids = index.search(np.ascontiguousarray(group_queries.numpy(), dtype=np.float32), min(found, t))
+        for head_values, head_ids in zip(torch.from_numpy(values).double(), torch.from_numpy(ids)):
+            kept = head_ids >= 0
+            best = torch.full((m,), float(head_values[kept][-1]), dtype=torch.float64)
+            scores[head] += best.scatter_reduce(0, head_ids[kept] // block_size, head_values[kept], "amax")
+    return scores, building
+
+
+def block_scores(queries, keys, position, window, block_size, summary, hnsw=None):
     """One position's queries (h, d) and the keys (g, t, d) before it, both in the block frame ->
-    {ranking: scores (g, m)} over its m candidate blocks (RANKINGS)."""
+    ({ranking: scores (g, m)} over its m candidate blocks (RANKINGS, and hnsw_keys when `hnsw` is
+    (found, settings) of hnsw_key_scores), seconds building HNSW graphs)."""
     h, d = queries.shape
     g = keys.shape[0]
     m = int(candidate_count(torch.tensor(position), window, block_size))
@@ -90,22 +122,27 @@ def block_scores(queries, keys, position, window, block_size, summary):
     group_queries = selection_queries(queries[None, :, None], g, summary)
     logits = torch.einsum("grd,gkd->grk", queries.view(g, h // g, d), keys[:, : m * block_size]) / math.sqrt(d)
     logits = logits.view(g, h // g, m, block_size)
-    return {
+    scores = {
         "summary": summary_scores(group_queries, summaries)[0, :, 0],
         "max_logit": logits.amax(dim=3).sum(dim=1),
         "mass": logits.transpose(1, 2).reshape(g, m, -1).logsumexp(dim=2),
     }
+    building = 0.0
+    if hnsw is not None and m:
+        scores["hnsw_keys"], building = hnsw_key_scores(queries, keys[:, : m * block_size], block_size, *hnsw)
+    return scores, building
 
 
-def target_ranks(queries, keys, position, target_position, window, block_size, summary):
-    """{ranking: (g,) rank of the block holding target_position} for the query at `position`, and
-    the number of candidate blocks; None when that block is not a candidate (it is in the window)."""
-    scores = block_scores(queries, keys, position, window, block_size, summary)
+def target_ranks(queries, keys, position, target_position, window, block_size, summary, hnsw=None):
+    """({ranking: (g,) rank of the block holding target_position} for the query at `position`, or
+    None when that block is not a candidate (it is in the window); the number of candidate blocks;
+    seconds building HNSW graphs). hnsw: see block_scores."""
+    scores, building = block_scores(queries, keys, position, window, block_size, summary, hnsw)
     candidates = scores["summary"].shape[1]
     target = target_position // block_size
     if target >= candidates:
-        return None, candidates
-    return {ranking: rank_of(values, target) for ranking, values in scores.items()}, candidates
+        return None, candidates, building
+    return {ranking: rank_of(values, target) for ranking, values in scores.items()}, candidates, building
 
 
 def value_position(tokenizer, token_ids, value):

@@ -9,7 +9,10 @@ and haystacks). Each is prefilled once; the query of its last token, which predi
 first digit, ranks the block holding the number's first token among its candidate blocks three ways
 (evaluation/selection.py): by the summary score that selection uses, by the sum over a GQA group's
 heads of the largest q . k in the block (a perfectly tight summary), and by the attention mass the
-group would give the block if every candidate were visible. Per length, language and layer the
+group would give the block if every candidate were visible; with --hnsw_keys K also by what a
+key-level index finds: per kv head an HNSW graph over the candidate keys (--hnsw_settings M
+efConstruction efSearch), each query head's K best keys, a block scored by the best found key of
+each head (evaluation/selection.py hnsw_key_scores). Per length, language and layer the
 table gives the mean candidates, the median rank and the share of (trial, kv head) pairs with the
 block in the top_n under each ranking. A block that the queries rank high but the summaries do
 not is lost to the summary; one that no ranking puts high, to the queries and keys.
@@ -45,18 +48,24 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=8, help="prompts per language and length, depths spread over 0..1")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks (as eval_needles.py)")
+    p.add_argument("--hnsw_keys", type=int, default=0,
+                   help="also rank by an HNSW graph over the keys, each query head's this many best keys (0: off)")
+    p.add_argument("--hnsw_settings", type=int, nargs=3, default=[16, 64, 64], metavar=("M", "EF_CONSTRUCTION", "EF_SEARCH"),
+                   help="the key graphs' M, efConstruction and efSearch")
     add_attention_overrides(p)
     add_run_arguments(p)
     args = p.parse_args(argv)
     if args.trials < 1 or any(length <= 0 for length in args.lengths) or args.prefill_chunk < 0:
         raise UsageError("--trials and --lengths must be positive, --prefill_chunk >= 0")
+    if args.hnsw_keys < 0 or min(args.hnsw_settings) < 1:
+        raise UsageError("--hnsw_keys must be >= 0 and every --hnsw_settings value >= 1")
     args.lengths = sorted(set(args.lengths))
     return args
 
 
-def probe_prompt(model, recorders, ids, target_position, prefill_chunk):
-    """{layer: ({ranking: ranks (g,)}, candidates)} of the prompt's last query for the block of
-    target_position; a layer's entry is None when that block is in the query's window."""
+def probe_prompt(model, recorders, ids, target_position, prefill_chunk, hnsw):
+    """{layer: ({ranking: ranks (g,)} or None, candidates, HNSW build seconds)} of the prompt's last
+    query for the block of target_position (None: that block is in the query's window)."""
     for recorder in recorders.values():
         recorder.keys.clear()
         recorder.queries.clear()
@@ -67,28 +76,30 @@ def probe_prompt(model, recorders, ids, target_position, prefill_chunk):
     for layer, recorder in recorders.items():
         keys, queries = recorder.recorded()
         results[layer] = target_ranks(queries[0, :, position], keys[0], position, target_position, config.ann_window,
-                                      config.ann_block_size, config.ann_block_summary)
+                                      config.ann_block_size, config.ann_block_summary, hnsw)
     return results
 
 
-def summary_rows(collected, top_n):
+def summary_rows(collected, top_n, rankings):
     rows = []
     for (length, lang, layer), entries in collected.items():
-        ranks = {ranking: torch.cat([entry[ranking] for entry, _ in entries]).float() for ranking in RANKINGS}
+        ranks = {ranking: torch.cat([entry[ranking] for entry, _, _ in entries]).float() for ranking in rankings}
         row = {"length": length, "lang": lang, "layer": layer, "trials": len(entries),
-               "candidates": round(sum(candidates for _, candidates in entries) / len(entries), 1)}
+               "candidates": round(sum(candidates for _, candidates, _ in entries) / len(entries), 1)}
         for ranking, values in ranks.items():
             row[f"{ranking}_median_rank"] = float(values.median())
             row[f"{ranking}_in_top_n"] = round(float((values <= top_n).float().mean()), 4)
+        if "hnsw_keys" in rankings:
+            row["hnsw_build_seconds"] = round(sum(building for _, _, building in entries) / len(entries), 4)
         rows.append(row)
     return rows
 
 
-def print_table(rows, top_n):
-    names = " ".join(f"{ranking + ' rank':>15} {'top ' + str(top_n):>7}" for ranking in RANKINGS)
+def print_table(rows, top_n, rankings):
+    names = " ".join(f"{ranking + ' rank':>15} {'top ' + str(top_n):>7}" for ranking in rankings)
     print(f"{'length':>7} {'lang':<4} {'layer':>5} {'trials':>6} {'blocks':>7} {names}")
     for row in rows:
-        cells = " ".join(f"{row[ranking + '_median_rank']:>15.1f} {row[ranking + '_in_top_n']:>7.2f}" for ranking in RANKINGS)
+        cells = " ".join(f"{row[ranking + '_median_rank']:>15.1f} {row[ranking + '_in_top_n']:>7.2f}" for ranking in rankings)
         print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5} {row['trials']:>6} {row['candidates']:>7.1f} {cells}")
 
 
@@ -122,22 +133,27 @@ def main(argv=None):
                 target = value_position(tokenizer, ids, needles.values[0])
                 if target is None:
                     raise RuntimeError(f"the {lang} prompt of {length} tokens does not spell {needles.values[0]}")
-                for layer, (ranks, candidates) in probe_prompt(model, recorders, ids, target, args.prefill_chunk).items():
+                hnsw = (args.hnsw_keys, args.hnsw_settings) if args.hnsw_keys else None
+                for layer, (ranks, candidates, building) in probe_prompt(
+                    model, recorders, ids, target, args.prefill_chunk, hnsw
+                ).items():
                     if ranks is None:
                         skipped += 1
                         continue
-                    collected.setdefault((length, lang, layer), []).append((ranks, candidates))
+                    collected.setdefault((length, lang, layer), []).append((ranks, candidates, building))
     top_n = model.config.ann_top_n
-    rows = summary_rows(collected, top_n)
+    rankings = RANKINGS + (("hnsw_keys",) if args.hnsw_keys else ())
+    rows = summary_rows(collected, top_n, rankings)
     print(f"model: {path}; the last query's rank of the needle's block (of {model.config.ann_block_size} tokens) "
           f"among its candidates, per kv head; top {top_n} is what it retrieves")
-    print_table(rows, top_n)
+    print_table(rows, top_n, rankings)
     if skipped:
         print(f"{skipped} (prompt, layer) pairs had the needle in the window and are left out")
     if args.json:
         run_config = {"load": str(path), "lengths": args.lengths, "langs": args.langs, "trials": args.trials,
                       "seed": args.seed, "top_n": top_n, "block_size": model.config.ann_block_size,
-                      "window": model.config.ann_window, "summary": model.config.ann_block_summary}
+                      "window": model.config.ann_window, "summary": model.config.ann_block_summary,
+                      "hnsw_keys": args.hnsw_keys, "hnsw_settings": args.hnsw_settings}
         write_results(args.json, {"config": run_config, "rows": rows}, plot_selection, f"needle block selection: {path}")
     return 0
 

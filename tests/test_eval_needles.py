@@ -304,12 +304,16 @@ def test_probe_selection_ranks_the_needle_block_per_layer(trained, corpus_dir, t
             assert 0.0 <= row[f"{ranking}_in_top_n"] <= 1.0
     assert json_path.with_suffix(".png").read_bytes()[:8] == PNG
     # Scoring by each head's best key is what max_logit ranks by: the two rankings agree.
+    # An HNSW graph that finds every key ranks as the best key does too.
     keys_path = tmp_path / "selection_keys.json"
     assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2",
-                                 "--block_summary", "keys", "--json", str(keys_path)]) == 0
+                                 "--block_summary", "keys", "--hnsw_keys", "400", "--hnsw_settings", "16", "64", "400",
+                                 "--json", str(keys_path)]) == 0
     for row in json.loads(keys_path.read_text())["rows"]:
-        assert row["summary_median_rank"] == row["max_logit_median_rank"]
-        assert row["summary_in_top_n"] == row["max_logit_in_top_n"]
+        for ranking in ("summary", "hnsw_keys"):
+            assert row[f"{ranking}_median_rank"] == row["max_logit_median_rank"]
+            assert row[f"{ranking}_in_top_n"] == row["max_logit_in_top_n"]
+        assert row["hnsw_build_seconds"] > 0
 
 
 def test_probe_selection_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from evaluation.selection import block_scores, target_ranks, value_position
+from evaluation.selection import block_scores, hnsw_key_scores, target_ranks, value_position
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "model" / "tokenizer_prose"
 
@@ -25,17 +25,17 @@ def planted_keys():
 
 def test_bounds_ranks_the_needle_below_loose_blocks_where_the_best_key_ranks_it_first():
     queries, keys = planted_keys()
-    ranks, candidates = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="bounds")
+    ranks, candidates, _ = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="bounds")
     assert candidates == 4
     assert ranks["summary"].tolist() == [4, 4]  # three blocks bound higher
     assert ranks["max_logit"].tolist() == [1, 1] and ranks["mass"].tolist() == [1, 1]
-    ranks, _ = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="keys")
+    ranks, _, _ = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="keys")
     assert ranks["summary"].tolist() == [1, 1]
 
 
 def test_scores_follow_their_definitions():
     queries, keys = planted_keys()
-    scores = block_scores(queries, keys, 8, 2, 2, "keys")
+    scores, _ = block_scores(queries, keys, 8, 2, 2, "keys")
     assert torch.allclose(scores["summary"], scores["max_logit"] * math.sqrt(2))  # the same ranking, unscaled
     expected_mass = math.log(math.exp(2 / math.sqrt(2)) + 1.0)
     assert abs(float(scores["mass"][0, 1]) - expected_mass) < 1e-6
@@ -43,7 +43,7 @@ def test_scores_follow_their_definitions():
 
 def test_a_target_in_the_window_is_no_candidate():
     queries, keys = planted_keys()
-    ranks, candidates = target_ranks(queries, keys, 8, 8, window=2, block_size=2, summary="bounds")
+    ranks, candidates, _ = target_ranks(queries, keys, 8, 8, window=2, block_size=2, summary="bounds")
     assert ranks is None and candidates == 4
 
 
@@ -56,3 +56,19 @@ def test_value_position_finds_the_numbers_first_token():
         assert tokenizer.decode(ids[start:]).strip().startswith(str(value))
         assert not tokenizer.decode(ids[:start]).strip().endswith(str(value)[0])
         assert value_position(tokenizer, ids, 1234567) is None
+
+
+def test_hnsw_key_scores_equal_the_best_keys_when_every_key_is_found():
+    generator = torch.Generator().manual_seed(3)
+    queries, keys = torch.randn(4, 8, generator=generator), torch.randn(2, 64, 8, generator=generator)
+    scores, building = hnsw_key_scores(queries, keys, 8, found=64, settings=(8, 32, 64))
+    exact = block_scores(queries, keys, 72, 16, 8, "keys")[0]["summary"]  # (72 - 16) // 8 + 1 = 8 blocks
+    assert torch.allclose(scores.float(), exact, atol=1e-4) and building > 0
+
+
+def test_hnsw_key_scores_count_an_unfound_block_at_the_last_found_score():
+    """With 1 key found per head, the found key's block scores it and every other block scores it
+    too (unseen keys score at most that): the found block ranks first, the rest tie behind or with it."""
+    queries, keys = planted_keys()
+    scores, _ = hnsw_key_scores(queries, keys[:, :8], 2, found=1, settings=(4, 16, 16))
+    assert torch.equal(scores, torch.full_like(scores, 2.0))
