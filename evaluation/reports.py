@@ -143,13 +143,15 @@ def plot_induction(rows, title, png_path):
 
 def plot_selection(rows, title, png_path):
     """scripts/probe_selection.py's rows: share of queries with the needle's block in the top_n by
-    length, one panel per layer, a line per ranking and language."""
+    length, one panel per layer, a line per ranking (hnsw_keys when probed) and language."""
     layers = sorted({row["layer"] for row in rows})
     fig, axes = plt.subplots(1, len(layers), figsize=(3.6 * len(layers), 3.2), squeeze=False, sharey=True)
     for ax, layer in zip(axes[0], layers):
         for lang in dict.fromkeys(row["lang"] for row in rows):
             own = sorted((row for row in rows if row["layer"] == layer and row["lang"] == lang), key=lambda r: r["length"])
-            for ranking, style in (("summary", "-"), ("max_logit", "--"), ("mass", ":")):
+            for ranking, style in (("summary", "-"), ("max_logit", "--"), ("mass", ":"), ("hnsw_keys", "-.")):
+                if f"{ranking}_in_top_n" not in own[0]:
+                    continue
                 ax.plot([length_label(row["length"]) for row in own], [row[f"{ranking}_in_top_n"] for row in own],
                         style, marker=".", label=f"{lang} {ranking}")
         ax.set_title(f"layer {layer}", fontsize=9)

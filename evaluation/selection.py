@@ -133,6 +133,23 @@ def block_scores(queries, keys, position, window, block_size, summary, hnsw=None
     return scores, building
 
 
+def bounds_must_score(queries, keys, position, window, block_size, top_n):
+    """(g,) the share of a query's candidate blocks whose bounds score (an upper bound of the
+    best-key score) reaches its top_n-th best-key score: the blocks that an exact best-key search
+    pruning by bounds would still have to score in full. None with top_n or fewer candidates."""
+    h, d = queries.shape
+    g = keys.shape[0]
+    m = int(candidate_count(torch.tensor(position), window, block_size))
+    if m <= top_n:
+        return None
+    bounds = summary_scores(selection_queries(queries[None, :, None], g, "bounds"),
+                            block_summaries(keys[None], 0, m, block_size, "bounds"))[0, :, 0]
+    best_keys = summary_scores(selection_queries(queries[None, :, None], g, "keys"),
+                               block_summaries(keys[None], 0, m, block_size, "keys"))[0, :, 0]
+    nth_best = best_keys.topk(top_n, dim=1).values[:, -1:]
+    return (bounds >= nth_best).double().mean(dim=1)
+
+
 def target_ranks(queries, keys, position, target_position, window, block_size, summary, hnsw=None):
     """({ranking: (g,) rank of the block holding target_position} for the query at `position`, or
     None when that block is not a candidate (it is in the window); the number of candidate blocks;

@@ -29,7 +29,7 @@ from common.cli import OneLineParser, UsageError
 from evaluation.induction import train_induction
 from evaluation.loading import add_run_arguments, apply_run_arguments
 from evaluation.reports import plot_induction, write_results
-from model.config import MiniMindConfig
+from model.config import BLOCK_SUMMARIES, MiniMindConfig
 from model.model import MiniMindForCausalLM
 from trainer.optim import wide_shift_parameters
 
@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--attn", choices=("dense", "ann"), default="ann")
     p.add_argument("--block_position", choices=("capped", "true"), default="capped")
+    p.add_argument("--block_summary", choices=BLOCK_SUMMARIES, default="bounds", help="how blocks are scored for retrieval")
     p.add_argument("--ann_window", type=int, default=16)
     p.add_argument("--ann_top_n", type=int, default=4)
     p.add_argument("--key_shift", type=int, default=0)
@@ -80,7 +81,8 @@ def main(argv=None):
                                 num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.heads,
                                 num_key_value_heads=2, rope_theta=args.rope_theta, attn_impl=args.attn,
                                 ann_window=args.ann_window, ann_top_n=args.ann_top_n,
-                                ann_block_position=args.block_position, key_shift=args.key_shift,
+                                ann_block_position=args.block_position, ann_block_summary=args.block_summary,
+                                key_shift=args.key_shift,
                                 query_shift=args.query_shift)
     except (UsageError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -14,7 +14,9 @@ key-level index finds: per kv head an HNSW graph over the candidate keys (--hnsw
 efConstruction efSearch), each query head's K best keys, a block scored by the best found key of
 each head (evaluation/selection.py hnsw_key_scores). Per length, language and layer the
 table gives the mean candidates, the median rank and the share of (trial, kv head) pairs with the
-block in the top_n under each ranking. A block that the queries rank high but the summaries do
+block in the top_n under each ranking, and `bounds_must_score`: the mean share of candidate
+blocks whose bounds score reaches the top_n-th best-key score, which an exact best-key search that
+prunes by bounds would still score in full. A block that the queries rank high but the summaries do
 not is lost to the summary; one that no ranking puts high, to the queries and keys.
 --json PATH writes {"config", "rows"} and PATH with .png (share in top_n by length, per layer).
 Exit codes: 0 done, 2 bad arguments, a missing text file, or a model that is not ANN.
@@ -35,7 +37,7 @@ from evaluation.loading import (add_attention_overrides, add_run_arguments, appl
                                 load_model, resolve_load_path)
 from evaluation.needles import build_prompt, draw_needles, shortest_prompt
 from evaluation.reports import plot_selection, write_results
-from evaluation.selection import RANKINGS, prefill, record_layers, target_ranks, value_position
+from evaluation.selection import RANKINGS, bounds_must_score, prefill, record_layers, target_ranks, value_position
 from evaluation.trials import spread_depths, trial_rng
 
 
@@ -64,8 +66,9 @@ def parse_args(argv=None):
 
 
 def probe_prompt(model, recorders, ids, target_position, prefill_chunk, hnsw):
-    """{layer: ({ranking: ranks (g,)} or None, candidates, HNSW build seconds)} of the prompt's last
-    query for the block of target_position (None: that block is in the query's window)."""
+    """{layer: ({ranking: ranks (g,)} or None, candidates, HNSW build seconds, bounds_must_score (g,))}
+    of the prompt's last query for the block of target_position (None: that block is in the query's
+    window)."""
     for recorder in recorders.values():
         recorder.keys.clear()
         recorder.queries.clear()
@@ -75,32 +78,37 @@ def probe_prompt(model, recorders, ids, target_position, prefill_chunk, hnsw):
     results = {}
     for layer, recorder in recorders.items():
         keys, queries = recorder.recorded()
-        results[layer] = target_ranks(queries[0, :, position], keys[0], position, target_position, config.ann_window,
-                                      config.ann_block_size, config.ann_block_summary, hnsw)
+        ranks, candidates, building = target_ranks(queries[0, :, position], keys[0], position, target_position,
+                                                   config.ann_window, config.ann_block_size, config.ann_block_summary, hnsw)
+        must_score = bounds_must_score(queries[0, :, position], keys[0], position, config.ann_window,
+                                       config.ann_block_size, config.ann_top_n)
+        results[layer] = (ranks, candidates, building, must_score)
     return results
 
 
 def summary_rows(collected, top_n, rankings):
     rows = []
     for (length, lang, layer), entries in collected.items():
-        ranks = {ranking: torch.cat([entry[ranking] for entry, _, _ in entries]).float() for ranking in rankings}
+        ranks = {ranking: torch.cat([entry[0][ranking] for entry in entries]).float() for ranking in rankings}
         row = {"length": length, "lang": lang, "layer": layer, "trials": len(entries),
-               "candidates": round(sum(candidates for _, candidates, _ in entries) / len(entries), 1)}
+               "candidates": round(sum(entry[1] for entry in entries) / len(entries), 1),
+               "bounds_must_score": round(float(torch.cat([entry[3] for entry in entries]).mean()), 4)}
         for ranking, values in ranks.items():
             row[f"{ranking}_median_rank"] = float(values.median())
             row[f"{ranking}_in_top_n"] = round(float((values <= top_n).float().mean()), 4)
         if "hnsw_keys" in rankings:
-            row["hnsw_build_seconds"] = round(sum(building for _, _, building in entries) / len(entries), 4)
+            row["hnsw_build_seconds"] = round(sum(entry[2] for entry in entries) / len(entries), 4)
         rows.append(row)
     return rows
 
 
 def print_table(rows, top_n, rankings):
     names = " ".join(f"{ranking + ' rank':>15} {'top ' + str(top_n):>7}" for ranking in rankings)
-    print(f"{'length':>7} {'lang':<4} {'layer':>5} {'trials':>6} {'blocks':>7} {names}")
+    print(f"{'length':>7} {'lang':<4} {'layer':>5} {'trials':>6} {'blocks':>7} {names} {'must score':>10}")
     for row in rows:
         cells = " ".join(f"{row[ranking + '_median_rank']:>15.1f} {row[ranking + '_in_top_n']:>7.2f}" for ranking in rankings)
-        print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5} {row['trials']:>6} {row['candidates']:>7.1f} {cells}")
+        print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5} {row['trials']:>6} {row['candidates']:>7.1f} {cells} "
+              f"{row['bounds_must_score']:>10.2f}")
 
 
 def main(argv=None):
@@ -134,13 +142,11 @@ def main(argv=None):
                 if target is None:
                     raise RuntimeError(f"the {lang} prompt of {length} tokens does not spell {needles.values[0]}")
                 hnsw = (args.hnsw_keys, args.hnsw_settings) if args.hnsw_keys else None
-                for layer, (ranks, candidates, building) in probe_prompt(
-                    model, recorders, ids, target, args.prefill_chunk, hnsw
-                ).items():
-                    if ranks is None:
+                for layer, entry in probe_prompt(model, recorders, ids, target, args.prefill_chunk, hnsw).items():
+                    if entry[0] is None or entry[3] is None:
                         skipped += 1
                         continue
-                    collected.setdefault((length, lang, layer), []).append((ranks, candidates, building))
+                    collected.setdefault((length, lang, layer), []).append(entry)
     top_n = model.config.ann_top_n
     rankings = RANKINGS + (("hnsw_keys",) if args.hnsw_keys else ())
     rows = summary_rows(collected, top_n, rankings)
@@ -148,7 +154,8 @@ def main(argv=None):
           f"among its candidates, per kv head; top {top_n} is what it retrieves")
     print_table(rows, top_n, rankings)
     if skipped:
-        print(f"{skipped} (prompt, layer) pairs had the needle in the window and are left out")
+        print(f"{skipped} (prompt, layer) pairs had the needle in the window or at most top_n candidates "
+              "and are left out")
     if args.json:
         run_config = {"load": str(path), "lengths": args.lengths, "langs": args.langs, "trials": args.trials,
                       "seed": args.seed, "top_n": top_n, "block_size": model.config.ann_block_size,

@@ -28,7 +28,8 @@
 # NEEDLE_STEPS (1200), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
-# THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
+# BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
+# every candidate key, exact retrieval only), THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
 # EVAL_LENGTHS ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,7 @@ NEEDLE_TASKS=${NEEDLE_TASKS:-single}
 COPY_DOCS=${COPY_DOCS:-12000}
 NEEDLE_COPY_DOCS=${NEEDLE_COPY_DOCS:-4000}
 SAFETY_MINUTES=${SAFETY_MINUTES:-120}
+BLOCK_SUMMARY=${BLOCK_SUMMARY:-bounds}
 THREADS=${THREADS:-2}
 DATA_DIR=${DATA_DIR:-../shared/data}
 PROSE=${PROSE:-dataset/prose}
@@ -81,7 +83,7 @@ mkdir -p "$OUT"
 trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from
     OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --from_weight "$2" --seed "$SEED" --data_path "$3" \
         --out_dir "$4" --tokenizer_path "$TOKENIZER" --wide_shift_from_step "$6" \
-        --wide_shift_lr_scale "$WIDE_SHIFT_LR_SCALE" --hnsw_ef_search 256 \
+        --wide_shift_lr_scale "$WIDE_SHIFT_LR_SCALE" --ann_block_summary "$BLOCK_SUMMARY" --hnsw_ef_search 256 \
         --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
         --warmup_steps 30 --epochs 100 --max_steps "$5" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
         --save_interval 200 > "$4.log" 2>&1 || { echo "training $1 ($4) failed, see $4.log" >&2; return 1; }
@@ -102,7 +104,8 @@ train() {  # $1: ann | dense. Everything but the attention is identical in the t
     OMP_NUM_THREADS="$THREADS" python scripts/probe_induction.py --attn "$1" --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --ann_window "$WINDOW" --ann_top_n "$TOP_N" --key_shift 2 --query_shift 1 \
         --hold_wide_shift --min_span 20 --max_span 64 --length 256 --batch 16 --lr "$LR" --steps "$INDUCTION_STEPS" \
-        --seed "$SEED" --threads "$THREADS" --json "$stages/induction.json" --save "$stages/induction" \
+        --block_summary "$BLOCK_SUMMARY" --seed "$SEED" --threads "$THREADS" --json "$stages/induction.json" \
+        --save "$stages/induction" \
         > "$stages/induction.log" 2>&1 || { echo "stage 1 of $1 failed, see $stages/induction.log" >&2; return 1; }
     echo "stage 1 (induction), last row: $(tail -n 1 "$stages/induction.log")"
     trainer_stage "$1" "$stages/induction" "$PROSE/copy/prose_train.jsonl" "$stages/copy" "$COPY_STEPS" "$COPY_STEPS"
@@ -116,11 +119,14 @@ for attn in $ATTNS; do
     train "$attn"
 done
 
+retrievals=(exact hnsw)
+[ "$BLOCK_SUMMARY" = keys ] && retrievals=(exact)  # every key scored: no graph over summaries to search
 # shellcheck disable=SC2086  # ATTNS and EVAL_LENGTHS are lists of words
 for attn in $ATTNS; do
     echo "== needles in held-out prose, $attn attention =="
     OMP_NUM_THREADS="$THREADS" python scripts/eval_needles.py --load "$OUT/prose_$attn/model" --data_dir "$DATA_DIR" \
-        --lengths $EVAL_LENGTHS --trials "$EVAL_TRIALS" --threads "$THREADS" --json "$OUT/prose_$attn/needles.json"
+        --lengths $EVAL_LENGTHS --trials "$EVAL_TRIALS" --retrievals "${retrievals[@]}" --threads "$THREADS" \
+        --json "$OUT/prose_$attn/needles.json"
 done
 if [[ " $ATTNS " == *" ann "* ]]; then
     dense=()

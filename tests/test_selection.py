@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from evaluation.selection import block_scores, hnsw_key_scores, target_ranks, value_position
+from evaluation.selection import block_scores, bounds_must_score, hnsw_key_scores, target_ranks, value_position
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "model" / "tokenizer_prose"
 
@@ -72,3 +72,12 @@ def test_hnsw_key_scores_count_an_unfound_block_at_the_last_found_score():
     queries, keys = planted_keys()
     scores, _ = hnsw_key_scores(queries, keys[:, :8], 2, found=1, settings=(4, 16, 16))
     assert torch.equal(scores, torch.full_like(scores, 2.0))
+
+
+def test_bounds_must_score_counts_the_blocks_a_pruned_search_cannot_skip():
+    queries, keys = planted_keys()
+    assert bounds_must_score(queries, keys, 8, 2, 2, top_n=1).tolist() == [1.0, 1.0]  # loose bounds: all 4
+    # Blocks of identical keys: the bound is the best key, and only the best block reaches it.
+    tight = torch.cat([torch.full((2, 2), float(j)) for j in range(5)])[None].expand(2, -1, -1).contiguous()
+    assert bounds_must_score(queries, tight, 8, 2, 2, top_n=1).tolist() == [0.25, 0.25]
+    assert bounds_must_score(queries, tight, 8, 2, 2, top_n=4) is None  # 4 candidates: nothing to prune
