@@ -133,33 +133,28 @@ def block_scores(queries, keys, position, window, block_size, summary, hnsw=None
     return scores, building
 
 
-def bounds_must_score(queries, keys, position, window, block_size, top_n):
+def bounds_must_score(queries, keys, best_keys, block_size, top_n):
     """(g,) the share of a query's candidate blocks whose bounds score (an upper bound of the
     best-key score) reaches its top_n-th best-key score: the blocks that an exact best-key search
-    pruning by bounds would still have to score in full. None with top_n or fewer candidates."""
+    pruning by bounds would still have to score in full. queries (h, d) and keys (g, t, d) as in
+    block_scores, best_keys (g, m) its "max_logit" scores; None with top_n or fewer candidates."""
     h, d = queries.shape
-    g = keys.shape[0]
-    m = int(candidate_count(torch.tensor(position), window, block_size))
+    g, m = best_keys.shape
     if m <= top_n:
         return None
     bounds = summary_scores(selection_queries(queries[None, :, None], g, "bounds"),
-                            block_summaries(keys[None], 0, m, block_size, "bounds"))[0, :, 0]
-    best_keys = summary_scores(selection_queries(queries[None, :, None], g, "keys"),
-                               block_summaries(keys[None], 0, m, block_size, "keys"))[0, :, 0]
+                            block_summaries(keys[None], 0, m, block_size, "bounds"))[0, :, 0] / math.sqrt(d)
     nth_best = best_keys.topk(top_n, dim=1).values[:, -1:]
     return (bounds >= nth_best).double().mean(dim=1)
 
 
-def target_ranks(queries, keys, position, target_position, window, block_size, summary, hnsw=None):
-    """({ranking: (g,) rank of the block holding target_position} for the query at `position`, or
-    None when that block is not a candidate (it is in the window); the number of candidate blocks;
-    seconds building HNSW graphs). hnsw: see block_scores."""
-    scores, building = block_scores(queries, keys, position, window, block_size, summary, hnsw)
-    candidates = scores["summary"].shape[1]
+def target_ranks(scores, target_position, block_size):
+    """{ranking: (g,) rank of the block holding target_position} from block_scores' scores, or None
+    when that block is not a candidate (it is in the query's window)."""
     target = target_position // block_size
-    if target >= candidates:
-        return None, candidates, building
-    return {ranking: rank_of(values, target) for ranking, values in scores.items()}, candidates, building
+    if target >= scores["summary"].shape[1]:
+        return None
+    return {ranking: rank_of(values, target) for ranking, values in scores.items()}
 
 
 def value_position(tokenizer, token_ids, value):

@@ -37,7 +37,8 @@ from evaluation.loading import (add_attention_overrides, add_run_arguments, appl
                                 load_model, resolve_load_path)
 from evaluation.needles import build_prompt, draw_needles, shortest_prompt
 from evaluation.reports import plot_selection, write_results
-from evaluation.selection import RANKINGS, bounds_must_score, prefill, record_layers, target_ranks, value_position
+from evaluation.selection import (RANKINGS, block_scores, bounds_must_score, prefill, record_layers, target_ranks,
+                                  value_position)
 from evaluation.trials import spread_depths, trial_rng
 
 
@@ -78,11 +79,12 @@ def probe_prompt(model, recorders, ids, target_position, prefill_chunk, hnsw):
     results = {}
     for layer, recorder in recorders.items():
         keys, queries = recorder.recorded()
-        ranks, candidates, building = target_ranks(queries[0, :, position], keys[0], position, target_position,
-                                                   config.ann_window, config.ann_block_size, config.ann_block_summary, hnsw)
-        must_score = bounds_must_score(queries[0, :, position], keys[0], position, config.ann_window,
-                                       config.ann_block_size, config.ann_top_n)
-        results[layer] = (ranks, candidates, building, must_score)
+        query = queries[0, :, position]
+        scores, building = block_scores(query, keys[0], position, config.ann_window, config.ann_block_size,
+                                        config.ann_block_summary, hnsw)
+        must_score = bounds_must_score(query, keys[0], scores["max_logit"], config.ann_block_size, config.ann_top_n)
+        results[layer] = (target_ranks(scores, target_position, config.ann_block_size), scores["summary"].shape[1],
+                          building, must_score)
     return results
 
 

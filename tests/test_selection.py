@@ -25,11 +25,12 @@ def planted_keys():
 
 def test_bounds_ranks_the_needle_below_loose_blocks_where_the_best_key_ranks_it_first():
     queries, keys = planted_keys()
-    ranks, candidates, _ = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="bounds")
-    assert candidates == 4
+    scores, _ = block_scores(queries, keys, 8, window=2, block_size=2, summary="bounds")
+    ranks = target_ranks(scores, 2, block_size=2)
+    assert scores["summary"].shape[1] == 4
     assert ranks["summary"].tolist() == [4, 4]  # three blocks bound higher
     assert ranks["max_logit"].tolist() == [1, 1] and ranks["mass"].tolist() == [1, 1]
-    ranks, _, _ = target_ranks(queries, keys, 8, 2, window=2, block_size=2, summary="keys")
+    ranks = target_ranks(block_scores(queries, keys, 8, 2, 2, "keys")[0], 2, block_size=2)
     assert ranks["summary"].tolist() == [1, 1]
 
 
@@ -43,8 +44,8 @@ def test_scores_follow_their_definitions():
 
 def test_a_target_in_the_window_is_no_candidate():
     queries, keys = planted_keys()
-    ranks, candidates, _ = target_ranks(queries, keys, 8, 8, window=2, block_size=2, summary="bounds")
-    assert ranks is None and candidates == 4
+    scores, _ = block_scores(queries, keys, 8, window=2, block_size=2, summary="bounds")
+    assert target_ranks(scores, 8, block_size=2) is None and scores["summary"].shape[1] == 4
 
 
 def test_value_position_finds_the_numbers_first_token():
@@ -75,9 +76,13 @@ def test_hnsw_key_scores_count_an_unfound_block_at_the_last_found_score():
 
 
 def test_bounds_must_score_counts_the_blocks_a_pruned_search_cannot_skip():
+    def must_score(keys, top_n):
+        scores, _ = block_scores(queries, keys, 8, 2, 2, "keys")
+        return bounds_must_score(queries, keys, scores["max_logit"], 2, top_n)
+
     queries, keys = planted_keys()
-    assert bounds_must_score(queries, keys, 8, 2, 2, top_n=1).tolist() == [1.0, 1.0]  # loose bounds: all 4
+    assert must_score(keys, top_n=1).tolist() == [1.0, 1.0]  # loose bounds: all 4
     # Blocks of identical keys: the bound is the best key, and only the best block reaches it.
     tight = torch.cat([torch.full((2, 2), float(j)) for j in range(5)])[None].expand(2, -1, -1).contiguous()
-    assert bounds_must_score(queries, tight, 8, 2, 2, top_n=1).tolist() == [0.25, 0.25]
-    assert bounds_must_score(queries, tight, 8, 2, 2, top_n=4) is None  # 4 candidates: nothing to prune
+    assert must_score(tight, top_n=1).tolist() == [0.25, 0.25]
+    assert must_score(tight, top_n=4) is None  # 4 candidates: nothing to prune
