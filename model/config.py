@@ -52,6 +52,7 @@ class MiniMindConfig(PretrainedConfig):
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
+        hnsw_keys_per_head=32,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -83,6 +84,7 @@ class MiniMindConfig(PretrainedConfig):
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
+        self.hnsw_keys_per_head = hnsw_keys_per_head
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -148,15 +150,18 @@ class MiniMindConfig(PretrainedConfig):
             problems.append(f"ann_block_position must be one of {BLOCK_POSITIONS}, got {self.ann_block_position!r}")
         if self.ann_block_summary not in BLOCK_SUMMARIES:
             problems.append(f"ann_block_summary must be one of {BLOCK_SUMMARIES}, got {self.ann_block_summary!r}")
-        if self.ann_block_summary == "keys" and self.ann_retrieval != "exact":
+        if self.ann_block_summary == "keys" and self.ann_retrieval == "pruned":
             problems.append(
-                f"ann_block_summary 'keys' scores every key of every candidate block, which exact retrieval "
-                f"does and {self.ann_retrieval!r} does not: set ann_retrieval to 'exact'"
+                "ann_block_summary 'keys' cannot be pruned by super-block bounds (a block's keys are its "
+                "summary): set ann_retrieval to 'exact', 'hnsw' or 'auto'"
             )
         ann_ok = all(
             [
                 positive_int(name)
-                for name in ("ann_window", "ann_block_size", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search")
+                for name in (
+                    "ann_window", "ann_block_size", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search",
+                    "hnsw_keys_per_head",
+                )
             ]
         )
         if ann_ok and self.ann_window % self.ann_block_size:

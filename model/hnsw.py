@@ -213,35 +213,47 @@ class HnswRetriever:
         self.settings = (m, ef_construction, ef_search)
         self.graphs = None
 
+    def graph_vectors(self, blocks):
+        """Summaries (g, k, e) of k consecutive blocks -> per kv head the vectors (g, k', e') a graph
+        stores for them, in order."""
+        return blocks
+
     def stored_blocks(self, row):
         return len(self.graphs[row][0])
+
+    def search(self, graph, queries, top_n):
+        """queries (s, e) of one kv head -> block ids (s, <=n), -1 where fewer blocks exist."""
+        return graph.search(queries, top_n)
 
     def summaries_changed(self, first_block):
         """The KV cache recomputed blocks first_block on: a graph keeps the vectors it was given, as a
         sequence's candidates never shrink (select refuses a query that would see fewer blocks)."""
 
     def _check_batch(self, summaries):
-        b, g, _, e = summaries.shape
+        b, g = summaries.shape[:2]
         if self.graphs is None:
-            self.graphs = [[MipsHnsw(e, *self.settings) for _ in range(g)] for _ in range(b)]
+            dim = summaries.shape[-1]
+            self.graphs = [[MipsHnsw(dim, *self.settings) for _ in range(g)] for _ in range(b)]
         if len(self.graphs) != b:
             raise ValueError(f"this HNSW state holds {len(self.graphs)} sequences, the call has {b}")
+
+    def _grow(self, row, blocks):
+        """Append the summaries (g, k, e) of the next k blocks to sequence row's graphs."""
+        for graph, vectors in zip(self.graphs[row], self.graph_vectors(blocks)):
+            graph.add(vectors)
 
     def add_candidates(self, summaries, limits):
         """Grow each sequence's graphs to its largest limit: blocks up to it, in block order."""
         self._check_batch(summaries)
         for row, limit in enumerate(limits.max(dim=1).values.tolist()):
-            stored = self.stored_blocks(row)
-            blocks = summaries[row, :, stored:limit].detach().float().cpu().numpy()
-            for graph, vectors in zip(self.graphs[row], blocks):
-                graph.add(vectors)
+            self._grow(row, summaries[row, :, self.stored_blocks(row) : limit].detach().float().cpu().numpy())
 
     def select(self, group_queries, summaries, limits, top_n, bounds=None):
         """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> ids, valid (b, g, s, n).
 
         bounds is unused: the search reads every limit on the host anyway."""
         self._check_batch(summaries)
-        b, g, s, _ = group_queries.shape
+        b, g, s = group_queries.shape[:3]
         block_ids = np.zeros((b, g, s, top_n), dtype=np.int64)
         valid = np.zeros((b, g, s, top_n), dtype=bool)
         if top_n:
@@ -266,9 +278,51 @@ class HnswRetriever:
             )
         new_blocks = summaries[row, :, stored : groups[-1][0]].detach().float().cpu().numpy()
         for limit, picked in groups:
+            held = self.stored_blocks(row)
+            self._grow(row, new_blocks[:, held - stored : limit - stored])
             for head, graph in enumerate(self.graphs[row]):
-                graph.add(new_blocks[head, len(graph) - stored : limit - stored])
-                labels = graph.search(queries[head, picked], block_ids.shape[-1])
+                labels = self.search(graph, queries[head, picked], block_ids.shape[-1])
                 found = labels.shape[1]
                 block_ids[head, picked, :found] = np.maximum(labels, 0)
                 valid[head, picked, :found] = labels >= 0
+
+
+class KeyHnswRetriever(HnswRetriever):
+    """HNSW over keys, for ann_block_summary "keys": HnswRetriever whose graph per (sequence, kv head)
+    holds every key of blocks 0 .. L-1 in position order (insertion position // B is the block).
+
+    Each of a query's r heads asks the graph for its keys_per_head best keys; the blocks holding
+    them are the candidates, and each candidate gets its exact "keys" score (the sum over the
+    heads of each head's best q . k in the block, from the graph's own copy of the keys). The top_n
+    by that score are the selection: exact selection's answer whenever each of exact's top_n blocks
+    holds a key that some head's search found. Summaries are the blocks' keys (b, g, m, B, d) and
+    group queries (b, g, s, r, d).
+    """
+
+    def __init__(self, block_size, keys_per_head, m, ef_construction, ef_search):
+        super().__init__(m, ef_construction, ef_search)
+        self.block_size = block_size
+        self.keys_per_head = keys_per_head
+
+    def graph_vectors(self, blocks):
+        g, k, block_size, d = blocks.shape
+        return blocks.reshape(g, k * block_size, d)
+
+    def stored_blocks(self, row):
+        return len(self.graphs[row][0]) // self.block_size
+
+    def search(self, graph, queries, top_n):
+        """queries (s, r, d): one token's group of heads per row -> block ids (s, <=n), -1 padded."""
+        s, r, d = queries.shape
+        labels = graph.search(queries.reshape(s * r, d), self.keys_per_head).reshape(s, -1)
+        blocks = np.where(labels >= 0, labels // self.block_size, -1)
+        blocks.sort(axis=1)
+        repeated = np.zeros_like(blocks, dtype=bool)
+        repeated[:, 1:] = blocks[:, 1:] == blocks[:, :-1]
+        keys = graph.vectors[: len(graph)].reshape(-1, self.block_size, d)
+        candidate_keys = keys[np.maximum(blocks, 0)].reshape(s, -1, d)  # (s, c*B, d)
+        products = (candidate_keys @ queries.transpose(0, 2, 1)).reshape(s, blocks.shape[1], self.block_size, r)
+        scores = products.max(axis=2).sum(axis=2)
+        scores[(blocks < 0) | repeated] = -np.inf
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :top_n]
+        return np.where(np.take_along_axis(scores, best, axis=1) > -np.inf, np.take_along_axis(blocks, best, axis=1), -1)

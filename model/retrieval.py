@@ -9,8 +9,9 @@ keeps the best top_n (`selection_queries` and `block_summaries` below build both
 key] against the split query, or mean key against the summed query). Retrieval is therefore plain maximum inner product
 search, whatever the summary. The summary "keys" is no summary: a block scores the sum over the
 group's heads of each head's largest q . k among the block's keys (what "bounds" upper-bounds),
-so group queries are (b, g, s, r, d) and summaries the blocks' keys (b, g, m, B, d); it scores every
-candidate key, as dense attention's q . k does, and only exact retrieval serves it. Capped keys are
+so group queries are (b, g, s, r, d) and summaries the blocks' keys (b, g, m, B, d); exact retrieval
+scores every candidate key, as dense attention's q . k does, and hnsw searches a graph over the keys
+(KeyHnswRetriever) and scores only the blocks holding the keys it finds. Capped keys are
 stored unrotated, so two blocks whose best key is the same token (with the same shifted tokens) tie
 exactly; exact_select takes torch.topk's choice among tied scores.
 Two retrievers give the same answer through one interface:
@@ -26,7 +27,8 @@ is (fewest, most) of the limits as host ints, known to the caller without readin
     exact: one batched matmul and top-k in torch (training's default).
     hnsw:  (model/hnsw.py) a FAISS HNSW graph per (sequence, kv head) that grows block by block, in
            block order; a query with L candidates searches it when it holds exactly blocks 0 .. L-1.
-           Per layer, its state lives in the KV cache so decoding only adds the new blocks.
+           Per layer, its state lives in the KV cache so decoding only adds the new blocks. For
+           "keys" the graph holds the blocks' keys, and the blocks of the keys found are re-scored.
     auto:  per query: exact while it has fewer candidates than a threshold, hnsw from there.
     pruned: (model/pruned_selection.py) exact's answer by branch and bound over super-block bounds,
            scoring few blocks where some stand out; in a KV cache the bounds grow with the blocks.
@@ -37,7 +39,7 @@ so neither later tokens nor the way a prefill is split into calls change them.
 
 import torch
 
-from .hnsw import HnswRetriever
+from .hnsw import HnswRetriever, KeyHnswRetriever
 from .pruned_selection import MIN_PRUNED_BLOCKS, SuperBlockBounds, pruned_select
 
 NEG_INF = float("-inf")
@@ -200,9 +202,9 @@ class AutoRetriever(ExactRetriever):
     how a prefill was chunked and on later queries.
     """
 
-    def __init__(self, threshold, m, ef_construction, ef_search):
+    def __init__(self, threshold, hnsw):
         self.threshold = threshold
-        self.hnsw = HnswRetriever(m, ef_construction, ef_search)
+        self.hnsw = hnsw
 
     def select(self, group_queries, summaries, limits, top_n, bounds=None):
         fewest, most = limit_bounds(limits, bounds)
@@ -220,15 +222,22 @@ class AutoRetriever(ExactRetriever):
         return torch.where(far, hnsw_ids, exact_ids), torch.where(far, hnsw_valid, exact_valid)
 
 
+def build_hnsw_retriever(config):
+    """The HNSW retriever of config's summary: over keys for "keys", else over block summaries."""
+    hnsw_settings = (config.hnsw_m, config.hnsw_ef_construction, config.hnsw_ef_search)
+    if config.ann_block_summary == "keys":
+        return KeyHnswRetriever(config.ann_block_size, config.hnsw_keys_per_head, *hnsw_settings)
+    return HnswRetriever(*hnsw_settings)
+
+
 def build_retriever(config, kind=None):
     kind = kind or config.ann_retrieval
-    hnsw_settings = (config.hnsw_m, config.hnsw_ef_construction, config.hnsw_ef_search)
     if kind == "exact":
         return ExactRetriever()
     if kind == "hnsw":
-        return HnswRetriever(*hnsw_settings)
+        return build_hnsw_retriever(config)
     if kind == "auto":
-        return AutoRetriever(config.ann_auto_threshold, *hnsw_settings)
+        return AutoRetriever(config.ann_auto_threshold, build_hnsw_retriever(config))
     if kind == "pruned":
         return PrunedRetriever()
     raise ValueError(f"unknown retrieval {kind!r}; choose exact, hnsw, auto or pruned")

@@ -29,7 +29,7 @@
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
 # BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
-# every candidate key, exact retrieval only), THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
+# each block by its best keys, found by HNSW over keys in the hnsw evaluation), THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
 # EVAL_LENGTHS ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -119,13 +119,11 @@ for attn in $ATTNS; do
     train "$attn"
 done
 
-retrievals=(exact hnsw)
-[ "$BLOCK_SUMMARY" = keys ] && retrievals=(exact)  # every key scored: no graph over summaries to search
 # shellcheck disable=SC2086  # ATTNS and EVAL_LENGTHS are lists of words
 for attn in $ATTNS; do
     echo "== needles in held-out prose, $attn attention =="
     OMP_NUM_THREADS="$THREADS" python scripts/eval_needles.py --load "$OUT/prose_$attn/model" --data_dir "$DATA_DIR" \
-        --lengths $EVAL_LENGTHS --trials "$EVAL_TRIALS" --retrievals "${retrievals[@]}" --threads "$THREADS" \
+        --lengths $EVAL_LENGTHS --trials "$EVAL_TRIALS" --retrievals exact hnsw --threads "$THREADS" \
         --json "$OUT/prose_$attn/needles.json"
 done
 if [[ " $ATTNS " == *" ann "* ]]; then

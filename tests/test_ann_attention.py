@@ -267,11 +267,15 @@ def test_heads_are_not_flattened_into_one_softmax():
     assert not torch.allclose(out[:, 0], out[:, 2])
 
 
+# Every retrieval over bounds, and the graphs over keys that "keys" selection searches
+RETRIEVALS_AND_SUMMARIES = [(r, "bounds") for r in ("exact", "hnsw", "auto", "pruned")] + [("hnsw", "keys"), ("auto", "keys")]
+
+
 @pytest.mark.parametrize("block_position", ["capped", "true"])
-@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto", "pruned"])
+@pytest.mark.parametrize("retrieval,summary", RETRIEVALS_AND_SUMMARIES)
 @pytest.mark.parametrize("chunks", [[1] * 90, [37, 1, 1, 20, 31], [90]])
-def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, chunks, block_position):
-    core = make_core(4, 2, 16, 8, 2, retrieval=retrieval, block_position=block_position)
+def test_cached_prefill_and_decode_equal_full_pass(path, retrieval, summary, chunks, block_position):
+    core = make_core(4, 2, 16, 8, 2, retrieval=retrieval, block_position=block_position, summary=summary)
     q, k, v = random_qkv(2, 4, 2, 90)
     full = run(core, q, k, v)
     cache = core.new_layer_cache()
@@ -411,9 +415,11 @@ TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1)]
 
 @pytest.mark.parametrize("key_shift,query_shift", TOKEN_SHIFTS)
 @pytest.mark.parametrize("block_position", ["capped", "true"])
-@pytest.mark.parametrize("retrieval", ["exact", "hnsw", "auto", "pruned"])
-def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, block_position, key_shift, query_shift):
-    model = ann_model(retrieval, ann_block_position=block_position, key_shift=key_shift, query_shift=query_shift)
+@pytest.mark.parametrize("retrieval,summary", RETRIEVALS_AND_SUMMARIES)
+def test_model_full_forward_equals_step_by_step_decoding(path, retrieval, summary, block_position, key_shift, query_shift):
+    model = ann_model(
+        retrieval, ann_block_position=block_position, ann_block_summary=summary, key_shift=key_shift, query_shift=query_shift
+    )
     input_ids = torch.randint(3, 300, (2, 120))
     full = model(input_ids).logits
     cache = model.new_cache()

@@ -43,9 +43,10 @@ def random_tokens(length, seed):
 
 RETRIEVALS = ["exact", "hnsw", "auto", "pruned"]
 retrievers = pytest.mark.parametrize("retrieval", RETRIEVALS)
-# "keys" (every candidate key scored) is served by exact retrieval only
+# "keys" cannot be pruned by super-block bounds
+KEY_RETRIEVALS = ["exact", "hnsw", "auto"]
 retrievals_and_summaries = pytest.mark.parametrize(
-    "retrieval,summary", [(r, s) for r in RETRIEVALS for s in ("bounds", "mean")] + [("exact", "keys")]
+    "retrieval,summary", [(r, s) for r in RETRIEVALS for s in ("bounds", "mean")] + [(r, "keys") for r in KEY_RETRIEVALS]
 )
 block_positions = pytest.mark.parametrize("block_position", ["capped", "true"])
 
@@ -88,7 +89,7 @@ def prefill_and_decode(model, prompt, chunk, new_tokens):
 PROMPT_LENGTH = 480  # 58 candidate blocks for the last prompt token
 
 
-@pytest.mark.parametrize("retrieval,summary", [(r, "bounds") for r in RETRIEVALS] + [("exact", "keys")])
+@pytest.mark.parametrize("retrieval,summary", [(r, "bounds") for r in RETRIEVALS] + [(r, "keys") for r in KEY_RETRIEVALS])
 @block_positions
 @pytest.mark.parametrize("chunk", [1, 7, 100], ids=lambda chunk: f"chunk{chunk}")
 @torch.inference_mode()

@@ -1,13 +1,14 @@
-"""The HNSW retriever: recall against exact selection, graphs that grow one block at a time in block
-order (causal, chunk-invariant), near-duplicate nodes, unreachable nodes scored exactly."""
+"""The HNSW retrievers: recall against exact selection, graphs that grow one block at a time in block
+order (causal, chunk-invariant), near-duplicate nodes, unreachable nodes scored exactly; and the
+graphs over keys that serve "keys" selection."""
 
 import numpy as np
 import pytest
 import torch
 
 from model import MiniMindConfig
-from model.hnsw import HnswRetriever, MipsHnsw
-from model.retrieval import exact_select
+from model.hnsw import HnswRetriever, KeyHnswRetriever, MipsHnsw
+from model.retrieval import build_retriever, exact_select
 from tests.summaries import recall, selected_sets, structured_summaries
 
 
@@ -195,3 +196,65 @@ def test_hnsw_state_is_tied_to_its_batch():
     retriever.select(queries, summaries, torch.full((1, 64), 20), 4)
     with pytest.raises(ValueError, match="holds 1 sequences, the call has 2"):
         retriever.select(queries.expand(2, -1, -1, -1), summaries.expand(2, -1, -1, -1), torch.full((2, 64), 20), 4)
+
+
+def key_blocks(num_blocks, block_size=8, d=16, heads=4, seed=0, repeated=False):
+    """Group queries (1, 1, 64, r, d) and block keys (1, 1, m, B, d) for "keys" selection. Keys are
+    structured (structured_summaries); repeated: every key of the first half of the blocks is one
+    filler key, except one distinct key that the queries point at."""
+    _, vectors = structured_summaries(num_blocks * block_size, dim=d, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    queries = vectors[0, 0, torch.randint(0, num_blocks * block_size, (64 * heads,), generator=generator)]
+    queries = queries + 0.3 * torch.randn(queries.shape, generator=generator)
+    keys = vectors[0, 0].clone()
+    if repeated:
+        half = num_blocks // 2 * block_size
+        keys[:half] = keys[0]
+        keys[half // 2] = queries.mean(dim=0) * 4
+    return queries.view(1, 1, 64, heads, d), keys.view(1, 1, num_blocks, block_size, d)
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("top_n", [1, 3])
+@pytest.mark.parametrize("num_blocks", [1, 7, 60])
+def test_key_hnsw_selects_the_same_blocks_as_exact_when_it_finds_every_key(num_blocks, top_n, heads):
+    """Asking each head for as many keys as the graph holds makes every block a candidate, so the
+    re-scored top_n must be exact selection's (float keys: no ties)."""
+    queries, blocks = key_blocks(num_blocks, heads=heads, seed=num_blocks)
+    limits = torch.randint(0, num_blocks + 1, (1, 64), generator=torch.Generator().manual_seed(1))
+    retriever = KeyHnswRetriever(8, num_blocks * 8, 16, 64, max(64, num_blocks * 8))
+    assert selected_sets(*retriever.select(queries, blocks, limits, top_n)) == selected_sets(
+        *exact_select(queries, blocks, limits, top_n)
+    )
+
+
+@pytest.mark.parametrize("repeated", [False, True], ids=["structured", "repeated-filler"])
+def test_key_hnsw_recall_on_structured_keys(repeated):
+    """The four heads of a group here have unrelated queries, so a block that is good for all of them
+    need not hold any head's best keys: recall rests on keys_per_head more than on the graph."""
+    config = MiniMindConfig(ann_block_summary="keys", ann_retrieval="hnsw", ann_block_size=8, hnsw_keys_per_head=128)
+    queries, blocks = key_blocks(600, repeated=repeated, seed=2)
+    limits = torch.full((1, 64), 600)
+    exact = selected_sets(*exact_select(queries, blocks, limits, 4))
+    hnsw = selected_sets(*build_retriever(config).select(queries, blocks, limits, 4))
+    assert recall(hnsw, exact) >= 0.95
+    if repeated:  # the one distinct key's block is among every query's exact top 4
+        assert all(150 in found for found in exact) and sum(150 in found for found in hnsw) >= 0.95 * 64
+
+
+def test_key_hnsw_answer_depends_only_on_the_query_candidates():
+    """As for block summaries: later blocks can change and the call can be split anywhere."""
+    queries, blocks = key_blocks(120, seed=5)
+    limits = torch.sort(torch.randint(0, 121, (1, 64), generator=torch.Generator().manual_seed(0))).values
+    retriever = lambda: KeyHnswRetriever(8, 4, 4, 16, 8)  # noqa: E731
+    reference = retriever().select(queries, blocks, limits, 3)
+    changed = blocks.clone()
+    changed[:, :, 60:] = torch.randn(changed[:, :, 60:].shape, generator=torch.Generator().manual_seed(1))
+    unchanged = limits[0] <= 60
+    for got, expected in zip(retriever().select(queries, changed, limits, 3), reference):
+        assert torch.equal(got[:, :, unchanged], expected[:, :, unchanged])
+    split = retriever()
+    pieces = [split.select(queries[:, :, part], blocks, limits[:, part], 3) for part in (slice(0, 1), slice(1, 8), slice(8, 64))]
+    for got, expected in zip((torch.cat(parts, dim=2) for parts in zip(*pieces)), reference):
+        assert torch.equal(got, expected)
+    assert split.stored_blocks(0) == int(limits.max()) and len(split.graphs[0][0]) == 8 * int(limits.max())

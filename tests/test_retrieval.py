@@ -29,7 +29,7 @@ def test_exact_select_uses_only_real_candidates():
 
 def test_auto_switches_at_the_threshold():
     queries, summaries = structured_summaries(64)
-    retriever = AutoRetriever(32, 32, 80, 64)
+    retriever = AutoRetriever(32, HnswRetriever(32, 80, 64))
     retriever.select(queries, summaries, torch.full((1, 64), 31), 4)
     assert retriever.hnsw.graphs is None
     retriever.select(queries, summaries, torch.full((1, 64), 40), 4)
@@ -41,7 +41,7 @@ def test_auto_chooses_per_query_not_per_call():
     queries, summaries = structured_summaries(200, seed=3)
     limits = torch.arange(64)[None] * 3  # 0 .. 189 candidates
     far = (limits[0] >= 100).tolist()
-    found = selected_sets(*AutoRetriever(100, 4, 16, 8).select(queries, summaries, limits, 4))
+    found = selected_sets(*AutoRetriever(100, HnswRetriever(4, 16, 8)).select(queries, summaries, limits, 4))
     exact = selected_sets(*exact_select(queries, summaries, limits, 4))
     hnsw = selected_sets(*HnswRetriever(4, 16, 8).select(queries, summaries, limits, 4))
     assert any(h != e for h, e, is_far in zip(hnsw, exact, far) if not is_far)  # the choice shows
@@ -59,8 +59,8 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(hidden_size=100, num_attention_heads=3), "must divide hidden_size"),
         (dict(num_attention_heads=8, num_key_value_heads=3), "must divide num_attention_heads"),
         (dict(hnsw_m=0), "hnsw_m must be a positive integer"),
-        (dict(ann_block_summary="keys", ann_retrieval="hnsw"), "set ann_retrieval to 'exact'"),
-        (dict(ann_block_summary="keys", ann_retrieval="pruned"), "set ann_retrieval to 'exact'"),
+        (dict(ann_block_summary="keys", ann_retrieval="pruned"), "set ann_retrieval to 'exact', 'hnsw' or 'auto'"),
+        (dict(hnsw_keys_per_head=0), "hnsw_keys_per_head must be a positive integer"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):
@@ -71,6 +71,9 @@ def test_invalid_settings_fail_with_a_clear_message(settings, message):
 def test_build_retriever_names():
     config = MiniMindConfig()
     assert type(build_retriever(config, "hnsw")).__name__ == "HnswRetriever"
+    keys_config = MiniMindConfig(ann_block_summary="keys", ann_retrieval="hnsw")
+    assert type(build_retriever(keys_config)).__name__ == "KeyHnswRetriever"
+    assert type(build_retriever(keys_config, "auto").hnsw).__name__ == "KeyHnswRetriever"
     with pytest.raises(ValueError, match="unknown retrieval"):
         build_retriever(config, "nearest")
 
