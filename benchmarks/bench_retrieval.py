@@ -16,6 +16,13 @@ shard, each searched for its shard's top-n and merged as context-parallel ranks 
 against exact over all m blocks, and the build and search time summed over the shards (one
 machine doing every shard's work; with one machine per shard each takes about 1/N of it).
 
+Selection by the best key (--summary keys, or a model whose ann_block_summary is "keys"): the
+graphs hold the keys themselves (model/hnsw.KeyHnswRetriever: each query head's --keys_per_head
+best keys found, their blocks re-scored exactly), exact scores every candidate key, and build is
+inserting m*B keys per kv head. Synthetic keys are then per token (synthetic_blocks over m*B
+vectors) and each query is r = --query_heads heads of one GQA group that seek one topic, each with
+its own noise.
+
 Keys. With --model PATH they are the model's own: the text (--text) runs through the model in
 chunks with a KV cache, and a wrapper around layer --layer's attention core records its keys and
 its GQA-summed queries; summaries are block means of B keys, and the queries at m blocks are the
@@ -27,6 +34,8 @@ like real keys (see `synthetic_blocks`), not iid Gaussian, whose top-n is unreal
         --model_tokens 270000 --json docs/bench/retrieval_model.json
     python benchmarks/bench_retrieval.py --blocks 65536 --shards 1 2 4 --ef_sweep 256 \
         --json docs/bench/retrieval_sharded_1m.json    # 65536 blocks of 16: a 1M-token context
+    python benchmarks/bench_retrieval.py --summary keys --head_dim 16 --blocks 256 1024 4096 16384 65536 \
+        --hnsw_m 16 --ef_construction 64 --ef_search 64 --ef_sweep 32 128 --json docs/bench/retrieval_keys.json
 """
 
 import argparse
@@ -54,9 +63,9 @@ from benchmarks.common import (
     write_json,
 )
 from common.cli import UsageError
-from model.config import MiniMindConfig
+from model.config import BLOCK_SUMMARIES, MiniMindConfig
 from model.context_parallel import global_top_n, local_selection
-from model.hnsw import HnswRetriever
+from model.hnsw import HnswRetriever, KeyHnswRetriever
 from model.retrieval import block_summaries, exact_select
 
 
@@ -73,6 +82,11 @@ def parse_args(argv=None):
     p.add_argument("--prefill_queries", type=int, default=256)
     p.add_argument("--prefill_repeats", type=int, default=3)
     p.add_argument("--min_recall", type=float, default=0.9, help="recall the recommended threshold must keep")
+    p.add_argument("--summary", choices=BLOCK_SUMMARIES, default=None,
+                   help="keys: selection by the best key; default: the model's, or block vectors for synthetic keys")
+    p.add_argument("--keys_per_head", type=int, default=defaults.hnsw_keys_per_head, help="--summary keys: HNSW keys per query head")
+    p.add_argument("--block_size", type=int, default=defaults.ann_block_size, help="synthetic keys, --summary keys")
+    p.add_argument("--query_heads", type=int, default=4, help="synthetic keys, --summary keys: heads per GQA group")
     p.add_argument("--kv_heads", type=int, default=2, help="synthetic keys")
     p.add_argument("--head_dim", type=int, default=64, help="synthetic keys")
     p.add_argument("--model", default=None, help="a model folder, out dir or checkpoint .pt: use its keys and queries")
@@ -80,6 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--model_tokens", type=int, default=65536, help="tokens of --text run through the model")
     p.add_argument("--layer", type=int, default=None, help="default: the middle layer")
     p.add_argument("--model_chunk", type=int, default=2048, help="tokens per prefill call")
+    p.add_argument("--model_retrieval", default=None, help="the retrieval the model runs with while its keys are recorded")
     p.add_argument("--shards", type=int, nargs="*", default=[], help="also HNSW per shard, merged, for these shard counts")
     p.add_argument("--shuffled_insertion", action="store_true",
                    help="insert the blocks in a random order instead of block order (recall only: not causal)")
@@ -122,6 +137,13 @@ def hnsw_settings(args, ef_search):
     return (args.hnsw_m, args.ef_construction, ef_search)
 
 
+def hnsw_retriever(args, summaries):
+    """The HNSW retriever of the summaries' kind: over keys for "keys" summaries (b, g, m, B, d)."""
+    if summaries.dim() == 5:
+        return KeyHnswRetriever(summaries.shape[3], args.keys_per_head, *hnsw_settings(args, args.ef_search))
+    return HnswRetriever(*hnsw_settings(args, args.ef_search))
+
+
 def recall(found_ids, found_valid, exact_ids, exact_valid):
     """Mean over queries of the fraction of the exact top-n that was found."""
     found = torch.where(found_valid, found_ids, -1)
@@ -153,7 +175,7 @@ def measure(args, summaries, decode_queries, prefill_queries):
     rows = [{"impl": "exact", "blocks": m, "ef_search": None, "decode_ms": time_decode(exact_select),
              "prefill_ms": time_prefill(exact_select), "build_ms": None, "recall": 1.0}]
 
-    retriever = HnswRetriever(*hnsw_settings(args, args.ef_search))
+    retriever = hnsw_retriever(args, summaries)
     # Shuffled: the graphs get the blocks in a random order (not causal; what block order costs).
     order = torch.randperm(m, generator=torch.Generator().manual_seed(args.seed)) if args.shuffled_insertion else None
     started = time.perf_counter()
@@ -243,21 +265,34 @@ def main(argv=None):
     if args.model:
         try:
             layer = args.layer
-            captured, config = model_keys(args.model, args.text, args.model_tokens, [layer], args.model_chunk)
+            named = {"ann_block_summary": args.summary, "ann_retrieval": args.model_retrieval}
+            overrides = {name: value for name, value in named.items() if value is not None}
+            captured, config = model_keys(args.model, args.text, args.model_tokens, [layer], args.model_chunk, overrides)
             keys, group_queries = captured[config.num_hidden_layers // 2 if layer is None else layer]
-        except UsageError as error:
+        except (UsageError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        block_size, window = config.ann_block_size, config.ann_window
+        summary, block_size, window = config.ann_block_summary, config.ann_block_size, config.ann_window
         available = (keys.shape[2] - window - num_queries) // block_size
         if any(m > available for m in blocks):
             print(f"the captured {keys.shape[2]} tokens give at most {available} blocks with {num_queries} queries "
                   f"after them: skipping {[m for m in blocks if m > available]} (raise --model_tokens)")
         blocks = [m for m in blocks if m <= available]
         source = f"model {args.model}"
+    elif args.summary == "keys":
+        summary, block_size = "keys", args.block_size
+        keys, queries = synthetic_blocks(blocks[-1] * block_size, num_queries, args.kv_heads, args.head_dim, args.seed)
+        # The heads of a group look for one topic, each with its own noise.
+        noise = torch.randn(*queries.shape[:3], args.query_heads, args.head_dim, generator=torch.Generator().manual_seed(args.seed))
+        queries = queries[:, :, :, None] + 0.5 * noise
+        source = "synthetic per-token keys (drifting mean + recurring low-rank topics + noise)"
     else:
+        summary = None
         all_summaries, queries = synthetic_blocks(blocks[-1], num_queries, args.kv_heads, args.head_dim, args.seed)
         source = "synthetic (drifting mean + recurring low-rank topics + noise)"
+    if summary == "keys" and args.shards:
+        print("error: --shards: context parallelism does not serve 'keys' selection", file=sys.stderr)
+        return 2
 
     rows, sharded = [], []
     every_ef = [args.ef_search] + [ef for ef in args.ef_sweep if ef != args.ef_search]
@@ -265,8 +300,10 @@ def main(argv=None):
         if args.model:
             # The queries right after the first m blocks (and the window) have those m blocks as candidates.
             first_query = m * block_size + window
-            summaries = block_summaries(keys, 0, m, block_size, config.ann_block_summary)
+            summaries = block_summaries(keys, 0, m, block_size, summary)
             queries = group_queries[:, :, first_query : first_query + num_queries]
+        elif summary == "keys":
+            summaries = block_summaries(keys, 0, m, block_size, summary)
         else:
             summaries = all_summaries[:, :, :m]
         point = measure(args, summaries.contiguous(), queries[:, :, : args.decode_queries],
@@ -301,7 +338,7 @@ def main(argv=None):
         ]))
 
     config = {key: value for key, value in vars(args).items() if key not in ("json", "png")}
-    config.update(keys=source, machine=machine_info("cpu"))
+    config.update(keys=source, summary=summary, machine=machine_info("cpu"))
     write_json(args.json, config, rows, crossover={"decode": decode_crossover, "prefill": prefill_crossover},
                recommended_ann_auto_threshold=threshold, recommendation=why, sharded=sharded)
 
@@ -318,7 +355,8 @@ def main(argv=None):
         (f"HNSW recall@{args.top_n} vs exact", "candidate blocks", "recall", lines("recall", every_ef), "linear"),
         ("HNSW build (all blocks, every kv head)", "candidate blocks", "ms", lines("build_ms", [args.ef_search])),
     ]
-    title = (f"retrieval, top_n={args.top_n}, HNSW M={args.hnsw_m} efC={args.ef_construction}, "
+    over_keys = f", {args.keys_per_head} keys per head" if summary == "keys" else ""
+    title = (f"retrieval, top_n={args.top_n}, HNSW M={args.hnsw_m} efC={args.ef_construction}{over_keys}, "
              f"{args.threads} threads; keys: {source}")
     plot_panels(png_path_for(args.json, args.png), title, panels)
 

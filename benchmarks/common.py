@@ -387,10 +387,11 @@ def random_qkv(settings, length, generator, requires_grad=False):
     ]
 
 
-def model_keys(model_path, text_path, num_tokens, layers, chunk):
+def model_keys(model_path, text_path, num_tokens, layers, chunk, overrides=None):
     """({layer: (keys, group queries), each (1, g, t, d or e)}, config) of an ANN model over the
-    first `num_tokens` tokens of a text (evaluation/selection.model_keys), timed."""
-    model, tokenizer = load_model(resolve_load_path(model_path), None, None, torch.device("cpu"))
+    first `num_tokens` tokens of a text (evaluation/selection.model_keys), timed; overrides: config
+    names -> values the model runs with (evaluation/loading.load_model)."""
+    model, tokenizer = load_model(resolve_load_path(model_path), None, None, torch.device("cpu"), overrides)
     started = time.perf_counter()
     captured = recorded_keys(model, tokenizer, text_path, num_tokens, layers, chunk)
     print(f"ran {num_tokens} tokens through {model_path} in {time.perf_counter() - started:.0f} s; "

@@ -65,6 +65,7 @@ class MipsHnsw:
         self.member_counts = np.zeros(0, dtype=np.int64)
         self.links = np.zeros((0, 2 * m), dtype=np.int32)  # node -> its level-0 neighbours, as the index holds them
         self.in_degree = np.zeros(0, dtype=np.int64)  # node -> level-0 lists holding it
+        self.unlinked = set()  # nodes of in-degree 0, kept per insertion: a scan per search is O(nodes)
         self.radius = 0.0
         self.index = None
 
@@ -132,6 +133,7 @@ class MipsHnsw:
         self.hnsw = self.index.hnsw
         self.links[:] = -1
         self.in_degree[:] = 0
+        self.unlinked.clear()
         for node in range(self.node_count):
             self._link(node, self._augment(self.vectors[self.node_rows[node]][None]))
 
@@ -159,14 +161,18 @@ class MipsHnsw:
         new = neighbors[offsets[nodes][:, None] + np.arange(self.links.shape[1])]
         changed = new != old  # mostly one slot per list: the new node's back link
         gained, lost = new[changed], old[changed]
-        np.add.at(self.in_degree, gained[gained >= 0], 1)
-        np.subtract.at(self.in_degree, lost[lost >= 0], 1)
+        gained, lost = gained[gained >= 0], lost[lost >= 0]
+        np.add.at(self.in_degree, gained, 1)
+        np.subtract.at(self.in_degree, lost, 1)
         self.links[nodes] = new
+        touched = np.concatenate([nodes, gained, lost])
+        is_unlinked = self.in_degree[touched] == 0
+        self.unlinked.update(touched[is_unlinked].tolist())
+        self.unlinked.difference_update(touched[~is_unlinked].tolist())
 
     def orphans(self):
         """Graph nodes that no node's level-0 neighbour list holds, except the entry point."""
-        orphans = np.flatnonzero(self.in_degree[: self.node_count] == 0)
-        return orphans[orphans != self.hnsw.entry_point]
+        return np.array(sorted(self.unlinked - {self.hnsw.entry_point}), dtype=np.int64)
 
     def search(self, queries, k):
         """queries (s, d) -> labels (s, k) int64: insertion positions of the vectors with the
@@ -317,12 +323,14 @@ class KeyHnswRetriever(HnswRetriever):
         labels = graph.search(queries.reshape(s * r, d), self.keys_per_head).reshape(s, -1)
         blocks = np.where(labels >= 0, labels // self.block_size, -1)
         blocks.sort(axis=1)
-        repeated = np.zeros_like(blocks, dtype=bool)
-        repeated[:, 1:] = blocks[:, 1:] == blocks[:, :-1]
+        blocks[:, 1:][blocks[:, 1:] == blocks[:, :-1]] = -1  # a block found by several keys counts once
+        # Each row's distinct blocks first, in block order; columns that no row fills are cut.
+        blocks = np.take_along_axis(blocks, np.argsort(blocks < 0, axis=1, kind="stable"), axis=1)
+        blocks = blocks[:, : max(1, int((blocks >= 0).sum(axis=1).max()))]
         keys = graph.vectors[: len(graph)].reshape(-1, self.block_size, d)
-        candidate_keys = keys[np.maximum(blocks, 0)].reshape(s, -1, d)  # (s, c*B, d)
-        products = (candidate_keys @ queries.transpose(0, 2, 1)).reshape(s, blocks.shape[1], self.block_size, r)
-        scores = products.max(axis=2).sum(axis=2)
-        scores[(blocks < 0) | repeated] = -np.inf
+        candidate_keys = torch.from_numpy(keys[np.maximum(blocks, 0)].reshape(s, -1, d))  # (s, c*B, d)
+        products = torch.from_numpy(queries) @ candidate_keys.transpose(1, 2)  # (s, r, c*B)
+        scores = products.view(s, r, blocks.shape[1], self.block_size).amax(dim=-1).sum(dim=1).numpy()
+        scores[blocks < 0] = -np.inf
         best = np.argsort(-scores, axis=1, kind="stable")[:, :top_n]
         return np.where(np.take_along_axis(scores, best, axis=1) > -np.inf, np.take_along_axis(blocks, best, axis=1), -1)

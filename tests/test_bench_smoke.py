@@ -21,10 +21,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_script(args):
+def run_script(args, returncode=0):
     result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    assert result.returncode == returncode, result.stdout + result.stderr
+    return result.stdout + result.stderr
 
 
 def load_outputs(json_path):
@@ -94,6 +94,22 @@ def test_bench_retrieval_synthetic_keys(tmp_path):
                       "--json", str(json_path)])
     check_retrieval_report(load_outputs(json_path), [64, 256], [64, 16])
     assert "recommended ann_auto_threshold" in out
+
+
+def test_bench_retrieval_selection_by_the_best_key(tmp_path):
+    """--summary keys: graphs over keys. 8 blocks of 8 are 64 keys per head, and asking each head for
+    64 keys at efSearch 64 finds them all, so the re-scored answer is exact's (recall 1)."""
+    json_path = tmp_path / "retrieval_keys.json"
+    run_script(["benchmarks/bench_retrieval.py", "--summary", "keys", "--head_dim", "16", "--block_size", "8",
+                "--blocks", "8", "32", "--keys_per_head", "64", "--ef_sweep", "16", "--decode_queries", "5",
+                "--prefill_queries", "16", "--prefill_repeats", "1", "--threads", "1", "--json", str(json_path)])
+    report = load_outputs(json_path)
+    check_retrieval_report(report, [8, 32], [64, 16])
+    assert report["config"]["summary"] == "keys"
+    assert next(r for r in report["rows"] if r["blocks"] == 8 and r["ef_search"] == 64)["recall"] == 1.0
+    refused = run_script(["benchmarks/bench_retrieval.py", "--summary", "keys", "--blocks", "8", "--shards", "2",
+                          "--json", str(tmp_path / "refused.json")], returncode=2)
+    assert "does not serve 'keys' selection" in refused
 
 
 def test_bench_retrieval_sharded_graphs_merge_to_the_exact_top_n(tmp_path):
