@@ -3,6 +3,9 @@
 `HnswRetriever` speaks model/retrieval.py's interface (`select`); `MipsHnsw` is one growing graph.
 """
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import faiss
 import numpy as np
 import torch
@@ -206,6 +209,33 @@ class MipsHnsw:
         return np.take_along_axis(nodes, order, axis=1)
 
 
+def run_per_head(serve, heads):
+    """serve(head) for each head, on up to torch.get_num_threads() threads.
+
+    FAISS releases the GIL in add and search and each kv head has graphs of its own, so heads run
+    side by side; within a worker FAISS runs single-threaded (OpenMP's thread count is per calling
+    thread), so the workers do not oversubscribe the cores. A graph's calls stay in one thread, in
+    order: the answer is the same for any thread count.
+    """
+    workers = min(heads, torch.get_num_threads())
+    if workers <= 1:
+        for head in range(heads):
+            serve(head)
+        return
+    if workers not in HEAD_WORKERS:
+        HEAD_WORKERS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="hnsw-head")
+
+    def serve_alone(head):
+        faiss.omp_set_num_threads(1)
+        serve(head)
+
+    list(HEAD_WORKERS[workers].map(serve_alone, range(heads)))
+
+
+HEAD_WORKERS = {}  # thread count -> pool, made once per process
+os.register_at_fork(after_in_child=HEAD_WORKERS.clear)  # a forked child has none of the pools' threads
+
+
 class HnswRetriever:
     """One MipsHnsw per (sequence, kv head), holding blocks 0 .. L-1 of its sequence in block order.
 
@@ -213,19 +243,20 @@ class HnswRetriever:
     0 .. L-1, so its answer depends on those blocks alone, not on later ones nor on how a prefill
     was split into calls (the graph after L insertions is one state). A call takes its queries in
     increasing L, growing the graphs between groups; labels are insertion positions, i.e. block ids.
+    Each kv head's graph is served on its own thread (run_per_head).
     """
+
+    vectors_per_block = 1
 
     def __init__(self, m, ef_construction, ef_search):
         self.settings = (m, ef_construction, ef_search)
         self.graphs = None
 
-    def graph_vectors(self, blocks):
-        """Summaries (g, k, e) of k consecutive blocks -> per kv head the vectors (g, k', e') a graph
-        stores for them, in order."""
-        return blocks
+    def held_blocks(self, graph):
+        return len(graph) // self.vectors_per_block
 
     def stored_blocks(self, row):
-        return len(self.graphs[row][0])
+        return self.held_blocks(self.graphs[row][0])
 
     def search(self, graph, queries, top_n):
         """queries (s, e) of one kv head -> block ids (s, <=n), -1 where fewer blocks exist."""
@@ -243,16 +274,13 @@ class HnswRetriever:
         if len(self.graphs) != b:
             raise ValueError(f"this HNSW state holds {len(self.graphs)} sequences, the call has {b}")
 
-    def _grow(self, row, blocks):
-        """Append the summaries (g, k, e) of the next k blocks to sequence row's graphs."""
-        for graph, vectors in zip(self.graphs[row], self.graph_vectors(blocks)):
-            graph.add(vectors)
-
     def add_candidates(self, summaries, limits):
         """Grow each sequence's graphs to its largest limit: blocks up to it, in block order."""
         self._check_batch(summaries)
         for row, limit in enumerate(limits.max(dim=1).values.tolist()):
-            self._grow(row, summaries[row, :, self.stored_blocks(row) : limit].detach().float().cpu().numpy())
+            blocks = summaries[row, :, self.stored_blocks(row) : limit].detach().float().cpu().numpy()
+            for graph, vectors in zip(self.graphs[row], blocks):
+                graph.add(vectors.reshape(-1, blocks.shape[-1]))
 
     def select(self, group_queries, summaries, limits, top_n, bounds=None):
         """group_queries (b, g, s, e), summaries (b, g, m, e), limits (b, s) -> ids, valid (b, g, s, n).
@@ -283,14 +311,18 @@ class HnswRetriever:
                 "candidates: it would see later blocks (a sequence's limits may not decrease from call to call)"
             )
         new_blocks = summaries[row, :, stored : groups[-1][0]].detach().float().cpu().numpy()
-        for limit, picked in groups:
-            held = self.stored_blocks(row)
-            self._grow(row, new_blocks[:, held - stored : limit - stored])
-            for head, graph in enumerate(self.graphs[row]):
+
+        def serve(head):
+            graph = self.graphs[row][head]
+            for limit, picked in groups:
+                added = new_blocks[head, self.held_blocks(graph) - stored : limit - stored]
+                graph.add(added.reshape(-1, new_blocks.shape[-1]))
                 labels = self.search(graph, queries[head, picked], block_ids.shape[-1])
                 found = labels.shape[1]
                 block_ids[head, picked, :found] = np.maximum(labels, 0)
                 valid[head, picked, :found] = labels >= 0
+
+        run_per_head(serve, len(self.graphs[row]))
 
 
 class KeyHnswRetriever(HnswRetriever):
@@ -307,15 +339,8 @@ class KeyHnswRetriever(HnswRetriever):
 
     def __init__(self, block_size, keys_per_head, m, ef_construction, ef_search):
         super().__init__(m, ef_construction, ef_search)
-        self.block_size = block_size
+        self.block_size = self.vectors_per_block = block_size
         self.keys_per_head = keys_per_head
-
-    def graph_vectors(self, blocks):
-        g, k, block_size, d = blocks.shape
-        return blocks.reshape(g, k * block_size, d)
-
-    def stored_blocks(self, row):
-        return len(self.graphs[row][0]) // self.block_size
 
     def search(self, graph, queries, top_n):
         """queries (s, r, d): one token's group of heads per row -> block ids (s, <=n), -1 padded."""

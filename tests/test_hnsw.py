@@ -2,11 +2,13 @@
 order (causal, chunk-invariant), near-duplicate nodes, unreachable nodes scored exactly; and the
 graphs over keys that serve "keys" selection."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 
-from model import MiniMindConfig
+from model import MiniMindConfig, hnsw
 from model.hnsw import HnswRetriever, KeyHnswRetriever, MipsHnsw
 from model.retrieval import build_retriever, exact_select
 from tests.summaries import recall, selected_sets, structured_summaries
@@ -258,3 +260,27 @@ def test_key_hnsw_answer_depends_only_on_the_query_candidates():
     for got, expected in zip((torch.cat(parts, dim=2) for parts in zip(*pieces)), reference):
         assert torch.equal(got, expected)
     assert split.stored_blocks(0) == int(limits.max()) and len(split.graphs[0][0]) == 8 * int(limits.max())
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["blocks", "keys"])
+def test_heads_served_on_threads_give_the_one_threaded_answer(monkeypatch, keys):
+    """run_per_head serves each kv head's graphs on a thread of its own when torch has threads to
+    spare; graphs keep their calls in order, so the answer is the single-threaded one."""
+    queries, summaries = key_blocks(80, seed=6) if keys else structured_summaries(300, seed=6)
+    queries, summaries = queries.expand(1, 3, *queries.shape[2:]), summaries.expand(1, 3, *summaries.shape[2:])
+    limits = torch.sort(torch.randint(0, summaries.shape[2] + 1, (1, 64), generator=torch.Generator().manual_seed(2))).values
+    retriever = lambda: KeyHnswRetriever(8, 8, 8, 24, 16) if keys else HnswRetriever(8, 24, 16)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = retriever().select(queries, summaries, limits, 3)
+        torch.set_num_threads(3)
+        served = []
+        monkeypatch.setattr(hnsw, "ThreadPoolExecutor", lambda *args, **kwargs: served.append(args) or ThreadPoolExecutor(*args, **kwargs))
+        monkeypatch.setattr(hnsw, "HEAD_WORKERS", {})
+        threaded = retriever().select(queries, summaries, limits, 3)
+    finally:
+        torch.set_num_threads(threads)
+    assert served == [(3,)]
+    for got, expected in zip(threaded, alone):
+        assert torch.equal(got, expected)
