@@ -118,7 +118,8 @@ def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp
               "--keep_checkpoints", "3"]
     assert run_stage(train_pretrain, tmp_path / "narrow", data, *common, "--key_shift", "1") == 0
     assert run_stage(train_pretrain, tmp_path / "held", data, *common, "--key_shift", "2", "--query_shift", "1",
-                     "--wide_shift_from_step", "4", "--hnsw_ef_search", "128") == 0
+                     "--wide_shift_from_step", "4", "--hnsw_ef_search", "128", "--hnsw_m", "12",
+                     "--hnsw_ef_construction", "48", "--hnsw_keys_per_head", "24") == 0
     narrow, held = ([r["loss"] for r in read_metrics(tmp_path / name)] for name in ("narrow", "held"))
     # Step k's loss is taken before update k: the first five come from weights of held updates only.
     # Two different models compute them, which may round differently.
@@ -132,6 +133,7 @@ def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp
     assert all(rows.any() for rows in held_rows(8).values())
     saved = MiniMindForCausalLM.from_pretrained(tmp_path / "held" / "model").config
     assert (saved.key_shift, saved.query_shift, saved.hnsw_ef_search) == (2, 1, 128)
+    assert (saved.hnsw_m, saved.hnsw_ef_construction, saved.hnsw_keys_per_head) == (12, 48, 24)
     # Continuing from weights whose wide rows are trained, the hold keeps them as they are (no decay).
     assert run_stage(train_pretrain, tmp_path / "continued", data, *common, "--from_weight", str(tmp_path / "held" / "model"),
                      "--wide_shift_from_step", "100") == 0

@@ -72,9 +72,13 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_top_n", type=int, default=None)
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
-    p.add_argument("--ann_block_summary", default=None, help="bounds | mean: how a block is scored for retrieval")
+    p.add_argument("--ann_block_summary", default=None, help="bounds | mean | keys: how a block is scored for retrieval")
     p.add_argument("--hnsw_ef_search", type=int, default=None,
                    help="HNSW search breadth saved with the model (used when it retrieves with hnsw); default 64")
+    p.add_argument("--hnsw_m", type=int, default=None, help="HNSW links per node saved with the model; default 32")
+    p.add_argument("--hnsw_ef_construction", type=int, default=None, help="HNSW build breadth saved with the model; default 200")
+    p.add_argument("--hnsw_keys_per_head", type=int, default=None,
+                   help="keys each query head asks a graph over keys for ('keys' selection with hnsw); default 32")
     p.add_argument("--from_weight", default="none", help="saved model folder of an earlier stage, or 'none'")
     p.add_argument("--from_resume", type=int, choices=[0, 1], default=0, help="1: continue from out_dir/checkpoints")
     p.add_argument("--log_interval", type=int, default=10, help="optimizer steps between metrics lines")
@@ -130,6 +134,9 @@ def build_config(args):
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
         hnsw_ef_search=args.hnsw_ef_search,
+        hnsw_m=args.hnsw_m,
+        hnsw_ef_construction=args.hnsw_ef_construction,
+        hnsw_keys_per_head=args.hnsw_keys_per_head,
     )
     architecture = {
         name: getattr(args, name)
