@@ -94,7 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--model_tokens", type=int, default=65536, help="tokens of --text run through the model")
     p.add_argument("--layer", type=int, default=None, help="default: the middle layer")
     p.add_argument("--model_chunk", type=int, default=2048, help="tokens per prefill call")
-    p.add_argument("--model_retrieval", default=None, help="the retrieval the model runs with while its keys are recorded")
+    p.add_argument("--model_retrieval", default=None,
+                   help="the retrieval the model runs with while its keys are recorded (default: its own)")
     p.add_argument("--shards", type=int, nargs="*", default=[], help="also HNSW per shard, merged, for these shard counts")
     p.add_argument("--shuffled_insertion", action="store_true",
                    help="insert the blocks in a random order instead of block order (recall only: not causal)")
@@ -265,7 +266,10 @@ def main(argv=None):
     if args.model:
         try:
             layer = args.layer
-            named = {"ann_block_summary": args.summary, "ann_retrieval": args.model_retrieval}
+            # The model runs with the benchmark's HNSW settings (they matter with --model_retrieval hnsw).
+            named = {"ann_block_summary": args.summary, "ann_retrieval": args.model_retrieval, "hnsw_m": args.hnsw_m,
+                     "hnsw_ef_construction": args.ef_construction, "hnsw_ef_search": args.ef_search,
+                     "hnsw_keys_per_head": args.keys_per_head}
             overrides = {name: value for name, value in named.items() if value is not None}
             captured, config = model_keys(args.model, args.text, args.model_tokens, [layer], args.model_chunk, overrides)
             keys, group_queries = captured[config.num_hidden_layers // 2 if layer is None else layer]
