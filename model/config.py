@@ -52,7 +52,7 @@ class MiniMindConfig(PretrainedConfig):
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
-        hnsw_keys_per_head=32,
+        hnsw_keys_per_head=64,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,

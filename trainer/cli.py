@@ -78,7 +78,7 @@ def parse_args(stage, argv=None):
     p.add_argument("--hnsw_m", type=int, default=None, help="HNSW links per node saved with the model; default 32")
     p.add_argument("--hnsw_ef_construction", type=int, default=None, help="HNSW build breadth saved with the model; default 200")
     p.add_argument("--hnsw_keys_per_head", type=int, default=None,
-                   help="keys each query head asks a graph over keys for ('keys' selection with hnsw); default 32")
+                   help="keys each query head asks a graph over keys for ('keys' selection with hnsw); default 64")
     p.add_argument("--from_weight", default="none", help="saved model folder of an earlier stage, or 'none'")
     p.add_argument("--from_resume", type=int, choices=[0, 1], default=0, help="1: continue from out_dir/checkpoints")
     p.add_argument("--log_interval", type=int, default=10, help="optimizer steps between metrics lines")
