@@ -33,9 +33,10 @@ def length_label(length):
 
 
 def plot_needles(trial_rows, title, png_path):
-    """Accuracy by depth (rows) and length (columns), one heatmap per task, language and retrieval;
-    a cell is the mean of the trials (of every seed) at that length and depth."""
-    panels = list(dict.fromkeys((t["task"], t["lang"], t["retrieval"]) for t in trial_rows))
+    """Accuracy by depth (rows) and length (columns), one heatmap per task, language, retrieval and
+    selection; a cell is the mean of the trials (of every seed) at that length and depth."""
+    panel_of = lambda t: (t["task"], t["lang"], t["retrieval"], t.get("selection"))  # noqa: E731
+    panels = list(dict.fromkeys(panel_of(t) for t in trial_rows))
     lengths = sorted({t["length"] for t in trial_rows})
     depths = sorted({round(t["depth"], 4) for t in trial_rows})
     columns = min(len(panels), 4)
@@ -44,7 +45,7 @@ def plot_needles(trial_rows, title, png_path):
     for index, (ax, panel) in enumerate(zip(axes.flat, panels)):
         cells = defaultdict(list)
         for t in trial_rows:
-            if (t["task"], t["lang"], t["retrieval"]) == panel:
+            if panel_of(t) == panel:
                 cells[depths.index(round(t["depth"], 4)), lengths.index(t["length"])].append(float(t["correct"]))
         grid = np.full((len(depths), len(lengths)), np.nan)
         for (row, column), values in cells.items():
@@ -52,8 +53,8 @@ def plot_needles(trial_rows, title, png_path):
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
         ax.set_xticks(range(len(lengths)), [length_label(length) for length in lengths])
         ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
-        task, lang, retrieval = panel
-        ax.set_title(f"{task}, {lang}, {retrieval or 'dense'}", fontsize=9)
+        task, lang, retrieval, selection = panel
+        ax.set_title(", ".join([task, lang, retrieval or "dense"] + ([selection] if selection else [])), fontsize=9)
         if index // columns == rows - 1:
             ax.set_xlabel("prompt length (tokens)", fontsize=8)
         if index % columns == 0:

@@ -8,7 +8,7 @@ OUT_DIR/needles.json ({"sources", "rows", "trials"}: every run's rows, each with
 training seed) and OUT_DIR/perplexity.json ({"sources", "rows"}), each with its PNG (needles: a
 heatmap cell is the mean over seeds and trials; loss: the mean over seeds, bars from the lowest to
 the highest). Prints the tables as markdown: needle accuracy per task, language, retrieval and
-length with one column per seed; loss per variant and bucket over every text; and the two loss
+selection and length with one column per seed; loss per variant and bucket over every text; and the two loss
 comparisons of docs/LONG_CONTEXT.md per seed (retrieval vs dense at 0-512, retrieval vs window
 only beyond 4k, retrieval vs recent context beyond 16k).
 Exit codes: 0 written, 2 a missing or malformed input file.
@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.cli import OneLineParser, UsageError
+from model.config import MiniMindConfig
 from evaluation.reports import length_label, loss_spread, plot_losses, plot_needles
 
 NEEDLE_KEYS = ("task", "lang", "length", "retrieval", "seed", "accuracy", "trials")
@@ -48,11 +49,24 @@ def read_results(path, row_keys, parts):
     return result
 
 
-def collect(paths, row_keys, parts):
-    """{"sources": [{"path", "config"}], part: rows of every file, in order} for the parts besides config."""
+def with_selection(result):
+    """Needle rows and trials each with "selection", how its model scored blocks: the run's
+    ann_block_summary for an ANN model (a config without one has MiniMindConfig's default), None for
+    a dense one."""
+    config = result["config"]
+    selection = config.get("ann_block_summary", MiniMindConfig().ann_block_summary) if config.get("attn") == "ann" else None
+    for part in ("rows", "trials"):
+        for row in result[part]:
+            row.setdefault("selection", selection if row["retrieval"] else None)
+    return result
+
+
+def collect(paths, row_keys, parts, prepare=lambda result: result):
+    """{"sources": [{"path", "config"}], part: rows of every file, in order} for the parts besides
+    config; prepare(result) adjusts each file's result first."""
     collected = {"sources": [], **{part: [] for part in parts if part != "config"}}
     for path in paths:
-        result = read_results(path, row_keys, parts)
+        result = prepare(read_results(path, row_keys, parts))
         collected["sources"].append({"path": str(path), "config": result["config"]})
         for part in collected:
             if part != "sources":
@@ -61,16 +75,16 @@ def collect(paths, row_keys, parts):
 
 
 def needle_table(rows):
-    """Markdown: one line per task, language, retrieval and length; accuracy (trials) per seed."""
+    """Markdown: one line per task, language, retrieval, selection and length; accuracy (trials) per seed."""
     seeds = sorted({row["seed"] for row in rows}, key=str)
     cells = defaultdict(dict)
     for row in rows:
-        cells[row["task"], row["lang"], row["retrieval"] or "dense", row["length"]][row["seed"]] = row
-    lines = ["| task | lang | retrieval | length | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
-             "|---|---|---|---:|" + "---:|" * len(seeds)]
-    for (task, lang, retrieval, length), by_seed in sorted(cells.items(), key=lambda item: (item[0][:3], item[0][3])):
+        cells[row["task"], row["lang"], row["retrieval"] or "dense", row["selection"] or "", row["length"]][row["seed"]] = row
+    lines = ["| task | lang | retrieval | selection | length | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
+             "|---|---|---|---|---:|" + "---:|" * len(seeds)]
+    for (task, lang, retrieval, selection, length), by_seed in sorted(cells.items(), key=lambda item: (item[0][:4], item[0][4])):
         scores = [f"{by_seed[s]['accuracy']:.2f} ({by_seed[s]['trials']})" if s in by_seed else "" for s in seeds]
-        lines.append(f"| {task} | {lang} | {retrieval} | {length_label(length)} | " + " | ".join(scores) + " |")
+        lines.append(f"| {task} | {lang} | {retrieval} | {selection} | {length_label(length)} | " + " | ".join(scores) + " |")
     return "\n".join(lines)
 
 
@@ -123,7 +137,7 @@ def main(argv=None):
         args = parse_args(argv)
         if not args.needles and not args.perplexity:
             raise UsageError("nothing to collect: pass --needles and/or --perplexity files")
-        needles = collect(args.needles, NEEDLE_KEYS, ("config", "rows", "trials")) if args.needles else None
+        needles = collect(args.needles, NEEDLE_KEYS, ("config", "rows", "trials"), with_selection) if args.needles else None
         losses = collect(args.perplexity, LOSS_KEYS, ("config", "rows")) if args.perplexity else None
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -80,7 +80,8 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                               f"depth {depth:.2f} {retrieval or 'dense':<5} {needles.values} -> {text!r} "
                               f"{'ok' if correct else 'wrong'}, prefill {prefill_s:.2f}s, answer {total_s - prefill_s:.2f}s",
                               flush=True)
-                        trial = {"task": task, "lang": lang, "length": length, "retrieval": retrieval, "depth": depth,
+                        trial = {"task": task, "lang": lang, "length": length, "retrieval": retrieval,
+                                 "selection": selection_of(model), "depth": depth,
                                  "seed": model_seed, "needle_seed": args.seed, "values": list(needles.values),
                                  "answer": text,
                                  "correct": correct, "prompt_tokens": len(ids), "heldout_tokens": span.heldout_tokens,
@@ -94,10 +95,16 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
     return rows, trial_rows
 
 
+def selection_of(model):
+    """How an ANN model scores blocks (its ann_block_summary); None for a dense one."""
+    return model.config.ann_block_summary if model.config.attn_impl == "ann" else None
+
+
 def summary_row(trials, retrieval, peak_rss_per_rank):
     first = trials[0]
     return {
         "task": first["task"], "lang": first["lang"], "length": first["length"], "retrieval": retrieval,
+        "selection": first["selection"],
         "seed": first["seed"], "needle_seed": first["needle_seed"],
         "accuracy": float(np.mean([trial["correct"] for trial in trials])), "trials": len(trials),
         "prefill_seconds": round(float(np.mean([trial["prefill_seconds"] for trial in trials])), 4),

@@ -220,7 +220,7 @@ def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_p
     assert [row["seed"] for row in collected["rows"]] == [7, 8] and len(collected["trials"]) == 4
     assert [source["path"] for source in collected["sources"]] == [str(needles), str(needles.with_name("needles_seed8.json"))]
     accuracy = collected["rows"][0]["accuracy"]
-    assert f"| single | en | exact | 300 | {accuracy:.2f} (2) | {accuracy:.2f} (2) |" in out
+    assert f"| single | en | exact | bounds | 300 | {accuracy:.2f} (2) | {accuracy:.2f} (2) |" in out
     loss_rows = json.loads((out_dir / "perplexity.json").read_text())["rows"]
     assert {row["seed"] for row in loss_rows} == {7, 8}
     near = next(r for r in loss_rows if (r["seed"], r["variant"], r["bucket"], r["text"]) == (7, "retrieval", "0-512", "all"))
@@ -335,6 +335,8 @@ def test_selection_overrides_reach_the_evaluated_model(trained, corpus_dir, pros
     config = json.loads(json_path.read_text())["config"]
     assert (config["ann_block_summary"], config["ann_top_n"]) == ("keys", 3)
     assert [config[name] for name in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "hnsw_keys_per_head")] == [8, 24, 20, 12]
+    result = json.loads(json_path.read_text())
+    assert {(row["retrieval"], row["selection"]) for row in result["rows"] + result["trials"]} == {("exact", "keys"), ("hnsw", "keys")}
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
                               "--retrievals", "pruned", "--block_summary", "keys"]) == 2
     assert "'keys' cannot be pruned" in capsys.readouterr().err
