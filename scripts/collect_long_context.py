@@ -49,14 +49,15 @@ def read_results(path, row_keys, parts):
     return result
 
 
-def with_selection(result):
-    """Needle rows and trials each with "selection", how its model scored blocks: the run's
-    ann_block_summary for an ANN model (a config without one has MiniMindConfig's default), None for
-    a dense one."""
+def labelled(result):
+    """Needle rows and trials each with "model" (the folder evaluated) and "selection", how it scored
+    blocks: the run's ann_block_summary for an ANN model (a config without one has MiniMindConfig's
+    default), None for a dense one."""
     config = result["config"]
     selection = config.get("ann_block_summary", MiniMindConfig().ann_block_summary) if config.get("attn") == "ann" else None
     for part in ("rows", "trials"):
         for row in result[part]:
+            row.setdefault("model", config.get("load"))
             row.setdefault("selection", selection if row["retrieval"] else None)
     return result
 
@@ -137,7 +138,7 @@ def main(argv=None):
         args = parse_args(argv)
         if not args.needles and not args.perplexity:
             raise UsageError("nothing to collect: pass --needles and/or --perplexity files")
-        needles = collect(args.needles, NEEDLE_KEYS, ("config", "rows", "trials"), with_selection) if args.needles else None
+        needles = collect(args.needles, NEEDLE_KEYS, ("config", "rows", "trials"), labelled) if args.needles else None
         losses = collect(args.perplexity, LOSS_KEYS, ("config", "rows")) if args.perplexity else None
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)

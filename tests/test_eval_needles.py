@@ -218,6 +218,7 @@ def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_p
     out = capsys.readouterr().out
     collected = json.loads((out_dir / "needles.json").read_text())
     assert [row["seed"] for row in collected["rows"]] == [7, 8] and len(collected["trials"]) == 4
+    assert {(row["model"], row["selection"]) for row in collected["rows"]} == {(str(trained), "bounds")}
     assert [source["path"] for source in collected["sources"]] == [str(needles), str(needles.with_name("needles_seed8.json"))]
     accuracy = collected["rows"][0]["accuracy"]
     assert f"| single | en | exact | bounds | 300 | {accuracy:.2f} (2) | {accuracy:.2f} (2) |" in out
