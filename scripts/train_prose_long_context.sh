@@ -79,11 +79,15 @@ build_mix "$PROSE/copy" --needle_fraction 0.3 --repeat_fraction 0.5 --tasks sing
 # shellcheck disable=SC2086  # NEEDLE_TASKS is a list of words
 build_mix "$PROSE/needles" --needle_fraction 0.8 --tasks $NEEDLE_TASKS --copy_documents "$NEEDLE_COPY_DOCS" --seed 6
 mkdir -p "$OUT"
+# HNSW settings saved with the models: graphs over keys as measured in docs/LONG_CONTEXT.md (HNSW
+# over keys), graphs over bounds summaries with the passkey recipe's search breadth.
+hnsw_settings=(--hnsw_ef_search 256)
+[ "$BLOCK_SUMMARY" = keys ] && hnsw_settings=(--hnsw_m 16 --hnsw_ef_construction 64 --hnsw_ef_search 64)
 
 trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from
     OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --from_weight "$2" --seed "$SEED" --data_path "$3" \
         --out_dir "$4" --tokenizer_path "$TOKENIZER" --wide_shift_from_step "$6" \
-        --wide_shift_lr_scale "$WIDE_SHIFT_LR_SCALE" --ann_block_summary "$BLOCK_SUMMARY" --hnsw_ef_search 256 \
+        --wide_shift_lr_scale "$WIDE_SHIFT_LR_SCALE" --ann_block_summary "$BLOCK_SUMMARY" "${hnsw_settings[@]}" \
         --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
         --warmup_steps 30 --epochs 100 --max_steps "$5" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
         --save_interval 200 > "$4.log" 2>&1 || { echo "training $1 ($4) failed, see $4.log" >&2; return 1; }
