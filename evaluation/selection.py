@@ -16,18 +16,17 @@ the query's candidates, per kv head (a GQA group selects its blocks together):
 
 A target that ranks high by max_logit or mass but low by summary is lost to the summary; one that
 ranks low by all three is lost to the queries and keys themselves. Optionally a fourth ranking,
-hnsw_keys, tries what a key-level index would find: an HNSW graph over the candidate keys of each
-kv head (`hnsw_key_scores`).
+hnsw_keys, is what "keys" selection through HNSW finds: the model's graph over the candidate keys
+of each kv head (`hnsw_key_scores`).
 """
 
 import math
 import time
 from pathlib import Path
 
-import faiss
-import numpy as np
 import torch
 
+from model.hnsw import KeyHnswRetriever
 from model.retrieval import block_summaries, candidate_count, selection_queries, summary_scores
 
 RANKINGS = ("summary", "max_logit", "mass")
@@ -85,36 +84,33 @@ def rank_of(scores, target):
     return (scores > scores[:, target : target + 1]).sum(dim=1) + 1
 
 
-def hnsw_key_scores(queries, keys, block_size, found, settings):
+def hnsw_key_scores(queries, keys, block_size, config):
     """queries (h, d), the m blocks' keys (g, m*B, d) -> (block scores (g, m), seconds building the
-    graphs). Per kv head, an HNSW graph (faiss, inner product; settings = (M, efConstruction,
-    efSearch)) over the keys, searched with each of the group's queries for its `found` best keys.
-    A block scores the sum over heads of the best key each head found in it; a head that found none
-    counts its `found`-th score, all that an unseen key can score if the search was exact."""
+    graphs): what "keys" selection through HNSW (model/hnsw.KeyHnswRetriever, with config's HNSW
+    settings) scores. Each kv head's graph gets the keys in position order; the
+    blocks holding a key that one of the group's heads found get their exact best-key score, the
+    others -inf (the search never offers them)."""
     h, d = queries.shape
     g, t, _ = keys.shape
     m = t // block_size
-    scores = torch.zeros(g, m, dtype=torch.float64)
-    building = 0.0
-    for head, (group_keys, group_queries) in enumerate(zip(keys, queries.view(g, h // g, d))):
-        graph_m, ef_construction, ef_search = settings
-        index = faiss.IndexHNSWFlat(d, graph_m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction, index.hnsw.efSearch = ef_construction, ef_search
-        started = time.perf_counter()
-        index.add(np.ascontiguousarray(group_keys.numpy(), dtype=np.float32))
-        building += time.perf_counter() - started
-        values, ids = index.search(np.ascontiguousarray(group_queries.numpy(), dtype=np.float32), min(found, t))
-        for head_values, head_ids in zip(torch.from_numpy(values).double(), torch.from_numpy(ids)):
-            kept = head_ids >= 0
-            best = torch.full((m,), float(head_values[kept][-1]), dtype=torch.float64)
-            scores[head] += best.scatter_reduce(0, head_ids[kept] // block_size, head_values[kept], "amax")
+    retriever = KeyHnswRetriever(block_size, config.hnsw_keys_per_head, config.hnsw_m, config.hnsw_ef_construction,
+                                 config.hnsw_ef_search)
+    started = time.perf_counter()
+    retriever.add_candidates(block_summaries(keys[None].float(), 0, m, block_size, "keys"), torch.tensor([[m]]))
+    building = time.perf_counter() - started
+    scores = torch.full((g, m), float("-inf"), dtype=torch.float64)
+    group_queries = queries.float().view(g, 1, h // g, d).numpy()
+    for head, graph in enumerate(retriever.graphs[0]):
+        blocks, found = retriever.scored_candidates(graph, group_queries[head])
+        kept = blocks[0] >= 0
+        scores[head, torch.from_numpy(blocks[0][kept])] = torch.from_numpy(found[0][kept]).double()
     return scores, building
 
 
 def block_scores(queries, keys, position, window, block_size, summary, hnsw=None):
     """One position's queries (h, d) and the keys (g, t, d) before it, both in the block frame ->
-    ({ranking: scores (g, m)} over its m candidate blocks (RANKINGS, and hnsw_keys when `hnsw` is
-    (found, settings) of hnsw_key_scores), seconds building HNSW graphs)."""
+    ({ranking: scores (g, m)} over its m candidate blocks (RANKINGS, and hnsw_keys when `hnsw` is a
+    model config whose HNSW settings hnsw_key_scores uses), seconds building HNSW graphs)."""
     h, d = queries.shape
     g = keys.shape[0]
     m = int(candidate_count(torch.tensor(position), window, block_size))
@@ -129,7 +125,7 @@ def block_scores(queries, keys, position, window, block_size, summary, hnsw=None
     }
     building = 0.0
     if hnsw is not None and m:
-        scores["hnsw_keys"], building = hnsw_key_scores(queries, keys[:, : m * block_size], block_size, *hnsw)
+        scores["hnsw_keys"], building = hnsw_key_scores(queries, keys[:, : m * block_size], block_size, hnsw)
     return scores, building
 
 

@@ -344,6 +344,14 @@ class KeyHnswRetriever(HnswRetriever):
 
     def search(self, graph, queries, top_n):
         """queries (s, r, d): one token's group of heads per row -> block ids (s, <=n), -1 padded."""
+        blocks, scores = self.scored_candidates(graph, queries)
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :top_n]
+        return np.where(np.take_along_axis(scores, best, axis=1) > -np.inf, np.take_along_axis(blocks, best, axis=1), -1)
+
+    def scored_candidates(self, graph, queries):
+        """queries (s, r, d) -> (blocks (s, c), scores (s, c)): each row's distinct blocks holding a
+        key that one of its heads found, in block order, and their exact "keys" scores; -1 and -inf
+        pad the rows that found fewer."""
         s, r, d = queries.shape
         labels = graph.search(queries.reshape(s * r, d), self.keys_per_head).reshape(s, -1)
         blocks = np.where(labels >= 0, labels // self.block_size, -1)
@@ -357,5 +365,4 @@ class KeyHnswRetriever(HnswRetriever):
         products = torch.from_numpy(queries) @ candidate_keys.transpose(1, 2)  # (s, r, c*B)
         scores = products.view(s, r, blocks.shape[1], self.block_size).amax(dim=-1).sum(dim=1).numpy()
         scores[blocks < 0] = -np.inf
-        best = np.argsort(-scores, axis=1, kind="stable")[:, :top_n]
-        return np.where(np.take_along_axis(scores, best, axis=1) > -np.inf, np.take_along_axis(blocks, best, axis=1), -1)
+        return blocks, scores

@@ -9,10 +9,11 @@ and haystacks). Each is prefilled once; the query of its last token, which predi
 first digit, ranks the block holding the number's first token among its candidate blocks three ways
 (evaluation/selection.py): by the summary score that selection uses, by the sum over a GQA group's
 heads of the largest q . k in the block (a perfectly tight summary), and by the attention mass the
-group would give the block if every candidate were visible; with --hnsw_keys K also by what a
-key-level index finds: per kv head an HNSW graph over the candidate keys (--hnsw_settings M
-efConstruction efSearch), each query head's K best keys, a block scored by the best found key of
-each head (evaluation/selection.py hnsw_key_scores). Per length, language and layer the
+group would give the block if every candidate were visible; with --hnsw_keys also as "keys"
+selection through HNSW does: per kv head a graph over the candidate keys, each query head's
+hnsw_keys_per_head best keys, the blocks holding them scored by their best keys, the others
+never offered (evaluation/selection.py hnsw_key_scores). The model prefills with --retrieval
+(exact, or hnsw for lengths where scoring every key is too slow). Per length, language and layer the
 table gives the mean candidates, the median rank and the share of (trial, kv head) pairs with the
 block in the top_n under each ranking, and `bounds_must_score`: the mean share of candidate
 blocks whose bounds score reaches the top_n-th best-key score, which an exact best-key search that
@@ -51,17 +52,16 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=8, help="prompts per language and length, depths spread over 0..1")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks (as eval_needles.py)")
-    p.add_argument("--hnsw_keys", type=int, default=0,
-                   help="also rank by an HNSW graph over the keys, each query head's this many best keys (0: off)")
-    p.add_argument("--hnsw_settings", type=int, nargs=3, default=[16, 64, 64], metavar=("M", "EF_CONSTRUCTION", "EF_SEARCH"),
-                   help="the key graphs' M, efConstruction and efSearch")
+    p.add_argument("--hnsw_keys", action="store_true",
+                   help="also rank as 'keys' selection through HNSW does (the model's HNSW settings; --hnsw_graph, "
+                        "--hnsw_keys_per_head change them)")
+    p.add_argument("--retrieval", choices=("exact", "hnsw"), default="exact",
+                   help="how the model retrieves while it prefills the prompt (the probe scores every candidate itself)")
     add_attention_overrides(p)
     add_run_arguments(p)
     args = p.parse_args(argv)
     if args.trials < 1 or any(length <= 0 for length in args.lengths) or args.prefill_chunk < 0:
         raise UsageError("--trials and --lengths must be positive, --prefill_chunk >= 0")
-    if args.hnsw_keys < 0 or min(args.hnsw_settings) < 1:
-        raise UsageError("--hnsw_keys must be >= 0 and every --hnsw_settings value >= 1")
     args.lengths = sorted(set(args.lengths))
     return args
 
@@ -120,7 +120,7 @@ def main(argv=None):
         apply_run_arguments(args)
         corpus = read_corpus(args.data_dir)
         path = resolve_load_path(args.load)
-        model, tokenizer = load_model(path, None, "exact", torch.device(args.device), attention_overrides(args))
+        model, tokenizer = load_model(path, None, args.retrieval, torch.device(args.device), attention_overrides(args))
         if model.config.attn_impl != "ann":
             raise UsageError(f"{path} is a {model.config.attn_impl} model: only ANN attention selects blocks")
         least = min(shortest_prompt(tokenizer, "single", lang) for lang in args.langs)
@@ -143,7 +143,7 @@ def main(argv=None):
                 target = value_position(tokenizer, ids, needles.values[0])
                 if target is None:
                     raise RuntimeError(f"the {lang} prompt of {length} tokens does not spell {needles.values[0]}")
-                hnsw = (args.hnsw_keys, args.hnsw_settings) if args.hnsw_keys else None
+                hnsw = model.config if args.hnsw_keys else None
                 for layer, entry in probe_prompt(model, recorders, ids, target, args.prefill_chunk, hnsw).items():
                     if entry[0] is None or entry[3] is None:
                         skipped += 1
@@ -162,7 +162,9 @@ def main(argv=None):
         run_config = {"load": str(path), "lengths": args.lengths, "langs": args.langs, "trials": args.trials,
                       "seed": args.seed, "top_n": top_n, "block_size": model.config.ann_block_size,
                       "window": model.config.ann_window, "summary": model.config.ann_block_summary,
-                      "hnsw_keys": args.hnsw_keys, "hnsw_settings": args.hnsw_settings}
+                      "retrieval": args.retrieval, "hnsw_keys": args.hnsw_keys,
+                      **{name: getattr(model.config, name)
+                         for name in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "hnsw_keys_per_head")}}
         write_results(args.json, {"config": run_config, "rows": rows}, plot_selection, f"needle block selection: {path}")
     return 0
 

@@ -308,8 +308,8 @@ def test_probe_selection_ranks_the_needle_block_per_layer(trained, corpus_dir, t
     # An HNSW graph that finds every key ranks as the best key does too.
     keys_path = tmp_path / "selection_keys.json"
     assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2",
-                                 "--block_summary", "keys", "--hnsw_keys", "400", "--hnsw_settings", "16", "64", "400",
-                                 "--json", str(keys_path)]) == 0
+                                 "--block_summary", "keys", "--hnsw_keys", "--hnsw_graph", "16", "64", "400",
+                                 "--hnsw_keys_per_head", "400", "--retrieval", "hnsw", "--json", str(keys_path)]) == 0
     for row in json.loads(keys_path.read_text())["rows"]:
         for ranking in ("summary", "hnsw_keys"):
             assert row[f"{ranking}_median_rank"] == row["max_logit_median_rank"]

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from evaluation.selection import block_scores, bounds_must_score, hnsw_key_scores, target_ranks, value_position
+from model import MiniMindConfig
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "model" / "tokenizer_prose"
 
@@ -62,17 +63,23 @@ def test_value_position_finds_the_numbers_first_token():
 def test_hnsw_key_scores_equal_the_best_keys_when_every_key_is_found():
     generator = torch.Generator().manual_seed(3)
     queries, keys = torch.randn(4, 8, generator=generator), torch.randn(2, 64, 8, generator=generator)
-    scores, building = hnsw_key_scores(queries, keys, 8, found=64, settings=(8, 32, 64))
+    config = MiniMindConfig(hnsw_m=8, hnsw_ef_construction=32, hnsw_ef_search=64, hnsw_keys_per_head=64)
+    scores, building = hnsw_key_scores(queries, keys, 8, config)
     exact = block_scores(queries, keys, 72, 16, 8, "keys")[0]["summary"]  # (72 - 16) // 8 + 1 = 8 blocks
     assert torch.allclose(scores.float(), exact, atol=1e-4) and building > 0
 
 
-def test_hnsw_key_scores_count_an_unfound_block_at_the_last_found_score():
-    """With 1 key found per head, the found key's block scores it and every other block scores it
-    too (unseen keys score at most that): the found block ranks first, the rest tie behind or with it."""
+def test_hnsw_key_scores_never_offer_a_block_whose_keys_no_head_found():
+    """One key per head: the blocks holding the keys the heads found score their best keys, every
+    other block -inf (the model's selection would never see it)."""
     queries, keys = planted_keys()
-    scores, _ = hnsw_key_scores(queries, keys[:, :8], 2, found=1, settings=(4, 16, 16))
-    assert torch.equal(scores, torch.full_like(scores, 2.0))
+    config = MiniMindConfig(hnsw_m=4, hnsw_ef_construction=16, hnsw_ef_search=16, hnsw_keys_per_head=1)
+    scores, _ = hnsw_key_scores(queries, keys[:, :8], 2, config)
+    exact = block_scores(queries, keys[:, :8], 8, 2, 2, "keys")[0]["summary"]
+    found = scores > float("-inf")
+    assert found.sum(dim=1).tolist() == [1] * scores.shape[0]
+    assert torch.allclose(scores[found].float(), exact[found])
+    assert (exact.argmax(dim=1) == found.float().argmax(dim=1)).all()
 
 
 def test_bounds_must_score_counts_the_blocks_a_pruned_search_cannot_skip():
