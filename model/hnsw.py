@@ -339,8 +339,12 @@ class KeyHnswRetriever(HnswRetriever):
 
     def __init__(self, block_size, keys_per_head, m, ef_construction, ef_search):
         super().__init__(m, ef_construction, ef_search)
-        self.block_size = self.vectors_per_block = block_size
+        self.block_size = block_size
         self.keys_per_head = keys_per_head
+
+    @property
+    def vectors_per_block(self):
+        return self.block_size
 
     def search(self, graph, queries, top_n):
         """queries (s, r, d): one token's group of heads per row -> block ids (s, <=n), -1 padded."""
