@@ -46,29 +46,28 @@ def apply_run_arguments(args):
         torch.set_num_threads(args.threads)
 
 
+HNSW_OVERRIDES = {
+    "hnsw_m": "HNSW links per node",
+    "hnsw_ef_construction": "HNSW build breadth",
+    "hnsw_ef_search": "HNSW search breadth",
+    "hnsw_keys_per_head": "keys each query head asks a graph over keys for ('keys' selection with hnsw)",
+}
+
+
 def add_attention_overrides(parser):
     """Selection settings, which change no weights, so an ANN model may be evaluated with others than
-    it was trained with: --block_summary, --top_n, --hnsw_graph M EFC EFS, --hnsw_keys_per_head."""
+    it was trained with: --block_summary, --top_n and the HNSW settings, named as the trainers name them."""
     parser.add_argument("--block_summary", choices=BLOCK_SUMMARIES, default=None,
                         help="how blocks are scored for retrieval (default: the model's)")
     parser.add_argument("--top_n", type=int, default=None, help="blocks each query retrieves (default: the model's)")
-    parser.add_argument("--hnsw_graph", type=int, nargs=3, default=None, metavar=("M", "EFC", "EFS"),
-                        help="HNSW links, efConstruction and efSearch (default: the model's)")
-    parser.add_argument("--hnsw_keys_per_head", type=int, default=None,
-                        help="keys each query head asks a graph over keys for ('keys' with hnsw; default: the model's)")
+    for name, what in HNSW_OVERRIDES.items():
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: the model's)")
 
 
 def attention_overrides(args):
     """{config name: value} of the add_attention_overrides options given."""
-    graph = args.hnsw_graph or (None, None, None)
-    named = {
-        "ann_block_summary": args.block_summary,
-        "ann_top_n": args.top_n,
-        "hnsw_m": graph[0],
-        "hnsw_ef_construction": graph[1],
-        "hnsw_ef_search": graph[2],
-        "hnsw_keys_per_head": args.hnsw_keys_per_head,
-    }
+    named = {"ann_block_summary": args.block_summary, "ann_top_n": args.top_n,
+             **{name: getattr(args, name) for name in HNSW_OVERRIDES}}
     return {name: value for name, value in named.items() if value is not None}
 
 

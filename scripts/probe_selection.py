@@ -53,8 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks (as eval_needles.py)")
     p.add_argument("--hnsw_keys", action="store_true",
-                   help="also rank as 'keys' selection through HNSW does (the model's HNSW settings; --hnsw_graph, "
-                        "--hnsw_keys_per_head change them)")
+                   help="also rank as 'keys' selection through HNSW does (the model's HNSW settings; --hnsw_m, "
+                        "--hnsw_ef_construction, --hnsw_ef_search, --hnsw_keys_per_head change them)")
     p.add_argument("--retrieval", choices=("exact", "hnsw"), default="exact",
                    help="how the model retrieves while it prefills the prompt (the probe scores every candidate itself)")
     add_attention_overrides(p)

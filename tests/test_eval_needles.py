@@ -308,7 +308,7 @@ def test_probe_selection_ranks_the_needle_block_per_layer(trained, corpus_dir, t
     # An HNSW graph that finds every key ranks as the best key does too.
     keys_path = tmp_path / "selection_keys.json"
     assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2",
-                                 "--block_summary", "keys", "--hnsw_keys", "--hnsw_graph", "16", "64", "400",
+                                 "--block_summary", "keys", "--hnsw_keys", "--hnsw_m", "16", "--hnsw_ef_construction", "64", "--hnsw_ef_search", "400",
                                  "--hnsw_keys_per_head", "400", "--retrieval", "hnsw", "--json", str(keys_path)]) == 0
     for row in json.loads(keys_path.read_text())["rows"]:
         for ranking in ("summary", "hnsw_keys"):
@@ -331,7 +331,7 @@ def test_selection_overrides_reach_the_evaluated_model(trained, corpus_dir, pros
     json_path = tmp_path / "keys.json"
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--tasks", "single",
                               "--langs", "en", "--trials", "1", "--retrievals", "exact", "hnsw", "--block_summary", "keys",
-                              "--top_n", "3", "--hnsw_graph", "8", "24", "20", "--hnsw_keys_per_head", "12",
+                              "--top_n", "3", "--hnsw_m", "8", "--hnsw_ef_construction", "24", "--hnsw_ef_search", "20", "--hnsw_keys_per_head", "12",
                               "--json", str(json_path)]) == 0
     config = json.loads(json_path.read_text())["config"]
     assert (config["ann_block_summary"], config["ann_top_n"]) == ("keys", 3)
