@@ -56,10 +56,14 @@ HNSW_OVERRIDES = {
 
 def add_attention_overrides(parser):
     """Selection settings, which change no weights, so an ANN model may be evaluated with others than
-    it was trained with: --block_summary, --top_n and the HNSW settings, named as the trainers name them."""
+    it was trained with: --block_summary, --top_n, --retrieval_layers and the HNSW settings, named as the
+    trainers name them."""
     parser.add_argument("--block_summary", choices=BLOCK_SUMMARIES, default=None,
                         help="how blocks are scored for retrieval (default: the model's)")
     parser.add_argument("--top_n", type=int, default=None, help="blocks each query retrieves (default: the model's)")
+    parser.add_argument("--retrieval_layers", type=int, nargs="*", default=None,
+                        help="the decoder layers that retrieve; the others attend to their window only "
+                             "(default: the model's)")
     for name, what in HNSW_OVERRIDES.items():
         parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: the model's)")
 
@@ -67,6 +71,7 @@ def add_attention_overrides(parser):
 def attention_overrides(args):
     """{config name: value} of the add_attention_overrides options given."""
     named = {"ann_block_summary": args.block_summary, "ann_top_n": args.top_n,
+             "ann_retrieval_layers": args.retrieval_layers,
              **{name: getattr(args, name) for name in HNSW_OVERRIDES}}
     return {name: value for name, value in named.items() if value is not None}
 

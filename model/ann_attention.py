@@ -446,18 +446,21 @@ class AnnLayerCache(KVBuffer):
 
 
 class AnnAttention:
-    def __init__(self, config):
+    def __init__(self, config, layer=None):
+        """The core of decoder layer `layer` (None: a core on its own, which retrieves ann_top_n)."""
         self.kv_heads = config.num_key_value_heads
         self.window = config.ann_window
         self.block_size = config.ann_block_size
-        self.top_n = config.ann_top_n
+        self.top_n = config.ann_top_n if layer is None else config.layer_top_n(layer)
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.config = config
         self.frame_table = None  # (rope settings, cos, sin) of the block frame's distances, for decode_step
 
     def new_layer_cache(self, reserve=0):
-        return AnnLayerCache(build_retriever(self.config), reserve, self.block_size, self.summary)
+        # A layer that retrieves nothing keeps no retrieval state (graphs): exact selection of 0 blocks.
+        retriever = build_retriever(self.config, None if self.top_n else "exact")
+        return AnnLayerCache(retriever, reserve, self.block_size, self.summary)
 
     def is_dense(self, last_position):
         """True when dense causal attention is exact for every query up to last_position.
@@ -548,6 +551,8 @@ class AnnAttention:
         candidate block, else the top_n blocks that layer_cache.retriever selects."""
         last_far = position - self.window
         candidates = last_far // self.block_size + 1
+        if not self.top_n:
+            return keys[:, :, :0], values[:, :, :0], None
         if candidates <= self.top_n:
             return keys[:, :, : last_far + 1], values[:, :, : last_far + 1], None
         limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)

@@ -20,12 +20,12 @@ from .ann_attention import AnnAttention
 from .dense_attention import DenseAttention
 
 
-def build_attention_core(config):
-    return AnnAttention(config) if config.attn_impl == "ann" else DenseAttention(config)
+def build_attention_core(config, layer=None):
+    return AnnAttention(config, layer) if config.attn_impl == "ann" else DenseAttention(config)
 
 
 class Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer=None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -44,7 +44,7 @@ class Attention(nn.Module):
         self.k_shift_wide = shift_weights(config.key_shift - 1, config.hidden_size)
         self.q_shift = shift_weights(config.query_shift, config.hidden_size)
         self.num_shifted = max(config.key_shift, config.query_shift)
-        self.core = build_attention_core(config)
+        self.core = build_attention_core(config, layer)
 
     def forward(self, x, rope, starts, ends, layer_cache, spans=None):
         b, s, _ = x.shape

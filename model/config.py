@@ -49,6 +49,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_block_position="capped",
         ann_block_summary="bounds",
         ann_auto_threshold=16384,
+        ann_retrieval_layers=None,
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
@@ -81,6 +82,11 @@ class MiniMindConfig(PretrainedConfig):
         self.ann_block_position = ann_block_position
         self.ann_block_summary = ann_block_summary
         self.ann_auto_threshold = ann_auto_threshold
+        # None: every layer retrieves; else the indices of the layers that do. The others attend to
+        # their window only (top_n 0), as DuoAttention's streaming heads, and keep no HNSW graphs.
+        self.ann_retrieval_layers = (
+            list(ann_retrieval_layers) if isinstance(ann_retrieval_layers, (list, tuple)) else ann_retrieval_layers
+        )
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
@@ -97,6 +103,13 @@ class MiniMindConfig(PretrainedConfig):
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
+
+    def layer_top_n(self, layer):
+        """Blocks each query of decoder layer `layer` retrieves: ann_top_n, or 0 in a layer that
+        ann_retrieval_layers leaves out."""
+        if self.ann_retrieval_layers is None or layer in self.ann_retrieval_layers:
+            return self.ann_top_n
+        return 0
 
     @classmethod
     def from_preset(cls, name, **overrides):
@@ -172,6 +185,17 @@ class MiniMindConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name} must be a non-negative integer, got {value!r}")
+        layers = self.ann_retrieval_layers
+        if layers is not None and (
+            not isinstance(layers, list)
+            or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers)
+            or len(set(layers)) != len(layers)
+            or (isinstance(self.num_hidden_layers, int) and not all(0 <= layer < self.num_hidden_layers for layer in layers))
+        ):
+            problems.append(
+                f"ann_retrieval_layers must be None or distinct layer indices in 0..num_hidden_layers-1 "
+                f"({self.num_hidden_layers} layers), got {layers!r}"
+            )
         for name in ("key_shift", "query_shift"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:

@@ -321,13 +321,13 @@ def global_top_n(gathered_scores, gathered_ids, top_n):
 class ShardedAttention:
     """The attention core of one layer on one rank, in place of AnnAttention (same call signature)."""
 
-    def __init__(self, config, group, shards, tile=PREFILL_TILE):
+    def __init__(self, config, group, shards, tile=PREFILL_TILE, layer=None):
         if config.attn_impl != "ann":
             raise ValueError(f"context parallelism shards ANN attention, got attn_impl={config.attn_impl!r}")
         if config.ann_block_summary == "keys":
             raise ValueError("context parallelism merges per-rank block scores of summaries; ann_block_summary "
                              "'keys' is single-process only")
-        self.ann = AnnAttention(config)
+        self.ann = AnnAttention(config, layer)
         self.group, self.shards, self.tile = group, shards, tile
         self.window, self.block_size, self.kv_heads = config.ann_window, config.ann_block_size, config.num_key_value_heads
 
@@ -496,7 +496,9 @@ class ContextParallelLM:
         if len(bounds) != group.size + 1:
             raise ValueError(f"{group.size} ranks need {group.size + 1} shard bounds, got {len(bounds)}")
         self.shards = Shards(bounds, config.ann_block_size)
-        self.cores = [ShardedAttention(config, group, self.shards, tile) for _ in model.model.layers]
+        self.cores = [
+            ShardedAttention(config, group, self.shards, tile, layer) for layer in range(len(model.model.layers))
+        ]
         for layer, core in zip(model.model.layers, self.cores):
             layer.self_attn.core = core
         self.caches = [core.new_layer_cache() for core in self.cores]

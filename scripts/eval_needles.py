@@ -96,8 +96,14 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
 
 
 def selection_of(model):
-    """How an ANN model scores blocks (its ann_block_summary); None for a dense one."""
-    return model.config.ann_block_summary if model.config.attn_impl == "ann" else None
+    """How an ANN model scores blocks (its ann_block_summary, and the layers that retrieve when not
+    every layer does: "keys, layers 1"); None for a dense one."""
+    config = model.config
+    if config.attn_impl != "ann":
+        return None
+    if config.ann_retrieval_layers is None:
+        return config.ann_block_summary
+    return f"{config.ann_block_summary}, layers {' '.join(map(str, config.ann_retrieval_layers)) or 'none'}"
 
 
 def summary_row(trials, retrieval, peak_rss_per_rank):
@@ -219,7 +225,8 @@ def main(argv=None):
         run_config = {
             "load": str(path), "attn": config.attn_impl, "ann_window": config.ann_window,
             "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n,
-            "ann_block_summary": config.ann_block_summary, "hnsw_m": config.hnsw_m,
+            "ann_block_summary": config.ann_block_summary, "ann_retrieval_layers": config.ann_retrieval_layers,
+            "hnsw_m": config.hnsw_m,
             "hnsw_ef_construction": config.hnsw_ef_construction, "hnsw_ef_search": config.hnsw_ef_search,
             "hnsw_keys_per_head": config.hnsw_keys_per_head, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,

@@ -326,24 +326,29 @@ def test_probe_selection_refuses_a_dense_model(trained, corpus_dir, capsys, monk
 
 
 def test_selection_overrides_reach_the_evaluated_model(trained, corpus_dir, prose_dir, tmp_path, capsys):
-    """--block_summary, --top_n and the HNSW settings change the loaded model's selection, and the
-    JSON says so; keys with pruned retrieval is refused with the reason."""
+    """--block_summary, --top_n, --retrieval_layers and the HNSW settings change the loaded model's
+    selection, and the JSON says so; keys with pruned retrieval and a layer the model lacks are refused
+    with the reason."""
     json_path = tmp_path / "keys.json"
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--tasks", "single",
                               "--langs", "en", "--trials", "1", "--retrievals", "exact", "hnsw", "--block_summary", "keys",
                               "--top_n", "3", "--hnsw_m", "8", "--hnsw_ef_construction", "24", "--hnsw_ef_search", "20", "--hnsw_keys_per_head", "12",
-                              "--json", str(json_path)]) == 0
+                              "--retrieval_layers", "0", "--json", str(json_path)]) == 0
     config = json.loads(json_path.read_text())["config"]
-    assert (config["ann_block_summary"], config["ann_top_n"]) == ("keys", 3)
+    assert (config["ann_block_summary"], config["ann_top_n"], config["ann_retrieval_layers"]) == ("keys", 3, [0])
     assert [config[name] for name in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "hnsw_keys_per_head")] == [8, 24, 20, 12]
     result = json.loads(json_path.read_text())
-    assert {(row["retrieval"], row["selection"]) for row in result["rows"] + result["trials"]} == {("exact", "keys"), ("hnsw", "keys")}
+    assert {(row["retrieval"], row["selection"]) for row in result["rows"] + result["trials"]} == {
+        ("exact", "keys, layers 0"), ("hnsw", "keys, layers 0")}
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
                               "--retrievals", "pruned", "--block_summary", "keys"]) == 2
     assert "'keys' cannot be pruned" in capsys.readouterr().err
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
+                              "--retrieval_layers", "0", "9"]) == 2
+    assert "ann_retrieval_layers must be None or distinct layer indices" in capsys.readouterr().err
     perplexity_path = tmp_path / "perplexity_keys.json"
     assert eval_perplexity.main(["--load", str(trained), "--texts", str(prose_dir / "prose_heldout_kjv.txt"),
                                  "--max_tokens", "300", "--chunk", "128", "--block_summary", "keys",
-                                 "--json", str(perplexity_path)]) == 0
+                                 "--retrieval_layers", "0", "--json", str(perplexity_path)]) == 0
     config = json.loads(perplexity_path.read_text())["config"]
-    assert (config["ann_block_summary"], config["ann_top_n"]) == ("keys", 2)
+    assert (config["ann_block_summary"], config["ann_top_n"], config["ann_retrieval_layers"]) == ("keys", 2, [0])

@@ -61,6 +61,10 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(hnsw_m=0), "hnsw_m must be a positive integer"),
         (dict(ann_block_summary="keys", ann_retrieval="pruned"), "set ann_retrieval to 'exact', 'hnsw' or 'auto'"),
         (dict(hnsw_keys_per_head=0), "hnsw_keys_per_head must be a positive integer"),
+        (dict(num_hidden_layers=4, ann_retrieval_layers=[4]), r"distinct layer indices in 0..num_hidden_layers-1 \(4 layers\)"),
+        (dict(ann_retrieval_layers=[1, 1]), "distinct layer indices"),
+        (dict(ann_retrieval_layers=["1"]), "distinct layer indices"),
+        (dict(ann_retrieval_layers=2), "must be None or distinct layer indices"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):

@@ -70,6 +70,9 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_window", type=int, default=None)
     p.add_argument("--ann_block_size", type=int, default=None)
     p.add_argument("--ann_top_n", type=int, default=None)
+    p.add_argument("--ann_retrieval_layers", type=int, nargs="*", default=None,
+                   help="the decoder layers that retrieve blocks (default every layer); the others attend to "
+                        "their window only")
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--ann_block_summary", default=None, help="bounds | mean | keys: how a block is scored for retrieval")
@@ -130,6 +133,7 @@ def build_config(args):
         ann_window=args.ann_window,
         ann_block_size=args.ann_block_size,
         ann_top_n=args.ann_top_n,
+        ann_retrieval_layers=args.ann_retrieval_layers,
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
