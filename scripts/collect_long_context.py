@@ -76,15 +76,18 @@ def collect(paths, row_keys, parts, prepare=lambda result: result):
 
 
 def needle_table(rows):
-    """Markdown: one line per task, language, retrieval, selection and length; accuracy (trials) per seed."""
+    """Markdown: one line per task, language, retrieval, selection and length; accuracy (trials) per
+    seed, pooling the trials of every run of a cell (e.g. runs at other depths)."""
     seeds = sorted({row["seed"] for row in rows}, key=str)
-    cells = defaultdict(dict)
+    cells = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))  # cell -> seed -> [right answers, trials]
     for row in rows:
-        cells[row["task"], row["lang"], row["retrieval"] or "dense", row["selection"] or "", row["length"]][row["seed"]] = row
+        pooled = cells[row["task"], row["lang"], row["retrieval"] or "dense", row["selection"] or "", row["length"]][row["seed"]]
+        pooled[0] += row["accuracy"] * row["trials"]
+        pooled[1] += row["trials"]
     lines = ["| task | lang | retrieval | selection | length | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
              "|---|---|---|---|---:|" + "---:|" * len(seeds)]
     for (task, lang, retrieval, selection, length), by_seed in sorted(cells.items(), key=lambda item: (item[0][:4], item[0][4])):
-        scores = [f"{by_seed[s]['accuracy']:.2f} ({by_seed[s]['trials']})" if s in by_seed else "" for s in seeds]
+        scores = [f"{by_seed[s][0] / by_seed[s][1]:.2f} ({by_seed[s][1]})" if s in by_seed else "" for s in seeds]
         lines.append(f"| {task} | {lang} | {retrieval} | {selection} | {length_label(length)} | " + " | ".join(scores) + " |")
     return "\n".join(lines)
 

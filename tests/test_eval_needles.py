@@ -229,6 +229,9 @@ def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_p
     assert f"seed 7: 0-512 loss, retrieval {near['loss']:.4f} vs dense {dense['loss']:.4f}" in out
     for name in ("needles", "perplexity"):
         assert (out_dir / f"{name}.png").read_bytes()[:8] == PNG
+    # Two runs of one cell (one seed) pool their trials in the table.
+    assert collect_long_context.main(["--needles", str(needles), str(needles), "--out_dir", str(tmp_path / "pooled")]) == 0
+    assert f"| single | en | exact | bounds | 300 | {accuracy:.2f} (4) |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("content, message", [
