@@ -451,16 +451,19 @@ class AnnAttention:
         self.kv_heads = config.num_key_value_heads
         self.window = config.ann_window
         self.block_size = config.ann_block_size
-        self.top_n = config.ann_top_n if layer is None else config.layer_top_n(layer)
+        self.top_n = config.layer_top_n(layer)
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.config = config
         self.frame_table = None  # (rope settings, cos, sin) of the block frame's distances, for decode_step
 
+    def new_retriever(self):
+        """The config's retriever; a layer that retrieves nothing keeps no retrieval state (graphs):
+        exact selection of 0 blocks."""
+        return build_retriever(self.config, None if self.top_n else "exact")
+
     def new_layer_cache(self, reserve=0):
-        # A layer that retrieves nothing keeps no retrieval state (graphs): exact selection of 0 blocks.
-        retriever = build_retriever(self.config, None if self.top_n else "exact")
-        return AnnLayerCache(retriever, reserve, self.block_size, self.summary)
+        return AnnLayerCache(self.new_retriever(), reserve, self.block_size, self.summary)
 
     def is_dense(self, last_position):
         """True when dense causal attention is exact for every query up to last_position.
@@ -492,7 +495,7 @@ class AnnAttention:
                 layer_cache.update_summaries(min(spans.host_first), max(spans.host_ends))
             return dense_attention(rope(q), self.window_frame(keys, rope), values, starts)
         if layer_cache is None:
-            retriever = build_retriever(self.config)
+            retriever = self.new_retriever()
             summaries = block_summaries(k, 0, s // self.block_size, self.block_size, self.summary)
         else:
             retriever = layer_cache.retriever

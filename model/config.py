@@ -106,8 +106,8 @@ class MiniMindConfig(PretrainedConfig):
 
     def layer_top_n(self, layer):
         """Blocks each query of decoder layer `layer` retrieves: ann_top_n, or 0 in a layer that
-        ann_retrieval_layers leaves out."""
-        if self.ann_retrieval_layers is None or layer in self.ann_retrieval_layers:
+        ann_retrieval_layers leaves out. layer None: a core outside a model, which retrieves."""
+        if layer is None or self.ann_retrieval_layers is None or layer in self.ann_retrieval_layers:
             return self.ann_top_n
         return 0
 
