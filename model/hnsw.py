@@ -51,6 +51,9 @@ class MipsHnsw:
     """
 
     DUPLICATE_TOLERANCE = 1e-4
+    # The duplicate check asks for the one node nearest a vector that is (nearly) on it: a narrow
+    # search finds it, at half the cost of the ef_search that top-k queries need.
+    DUPLICATE_EF_SEARCH = 16
     # Members of one node a search can return; a search for k asks for k nodes, so k never needs more.
     MAX_EXPANSION = 8
 
@@ -67,10 +70,18 @@ class MipsHnsw:
         self.members = np.zeros((0, self.MAX_EXPANSION), dtype=np.int32)  # node -> vectors, -1 padded
         self.member_counts = np.zeros(0, dtype=np.int64)
         self.links = np.zeros((0, 2 * m), dtype=np.int32)  # node -> its level-0 neighbours, as the index holds them
+        self.list_starts = np.zeros(0, dtype=np.int64)  # node -> where the index's neighbour lists hold them
         self.in_degree = np.zeros(0, dtype=np.int64)  # node -> level-0 lists holding it
         self.unlinked = set()  # nodes of in-degree 0, kept per insertion: a scan per search is O(nodes)
         self.radius = 0.0
         self.index = None
+        self.duplicate_search = faiss.SearchParametersHNSW()
+        self.duplicate_search.efSearch = min(self.DUPLICATE_EF_SEARCH, ef_search)
+        # Per-insertion buffers, handed to FAISS's C calls: the Python wrappers' checks cost as much
+        # as a search of a small graph.
+        self.lifted = np.empty((1, dim + 1), dtype=np.float32)
+        self.nearest_distance = np.empty((1, 1), dtype=np.float32)
+        self.nearest_node = np.empty((1, 1), dtype=np.int64)
 
     def __len__(self):
         return self.count
@@ -99,7 +110,7 @@ class MipsHnsw:
         if self.index is None or squared_norm > self.radius**2:
             self.radius = max(2.0 * self.radius, np.sqrt(squared_norm) * 1.25, 1e-6)
             self._rebuild()
-        lifted = np.empty((1, self.dim + 1), dtype=np.float32)
+        lifted = self.lifted
         lifted[0, :-1] = vector
         lifted[0, -1] = np.sqrt(max(self.radius**2 - squared_norm, 0.0))
         node = self._duplicate_of(lifted)
@@ -114,8 +125,10 @@ class MipsHnsw:
         """The node whose vector lies within the tolerance of a lifted vector (1, d+1), or -1."""
         if self.node_count == 0:
             return -1
-        distances, nodes = self.index.search(lifted, 1)
-        return int(nodes[0, 0]) if distances[0, 0] <= (self.DUPLICATE_TOLERANCE * self.radius) ** 2 else -1
+        self.index.search_c(1, faiss.swig_ptr(lifted), 1, faiss.swig_ptr(self.nearest_distance),
+                            faiss.swig_ptr(self.nearest_node), self.duplicate_search)
+        close = self.nearest_distance[0, 0] <= (self.DUPLICATE_TOLERANCE * self.radius) ** 2
+        return int(self.nearest_node[0, 0]) if close else -1
 
     def _new_node(self, row, lifted):
         node = self.node_count
@@ -125,6 +138,7 @@ class MipsHnsw:
             self.members = with_rows(self.members, node + 1, -1)
             self.member_counts = with_rows(self.member_counts, node + 1, 0)
             self.links = with_rows(self.links, node + 1, -1)
+            self.list_starts = with_rows(self.list_starts, node + 1, 0)
             self.in_degree = with_rows(self.in_degree, node + 1, 0)
         self.node_rows[node] = row
         self._link(node, lifted)
@@ -143,25 +157,24 @@ class MipsHnsw:
     def _link(self, node, lifted):
         """Insert node (its lifted vector (1, d+1)) into the index; re-read the level-0 lists this
         rewrote: its own and those of the nodes it links to."""
-        self.index.add(lifted)
-        offsets, neighbors = self._index_arrays()
-        start = offsets[node]
+        self.index.add_c(1, faiss.swig_ptr(lifted))
+        # A node's lists never move within the index's storage (the storage may move as it grows).
+        start = self.list_starts[node] = self.hnsw.offsets.at(node)
+        neighbors = self._neighbor_lists()
         own = neighbors[start : start + self.links.shape[1]]
-        self._reread(np.append(node, own[own >= 0]), offsets, neighbors)
+        self._reread(np.concatenate(([node], own[own >= 0])), neighbors)
 
-    def _index_arrays(self):
-        """The index's neighbour-list offsets (int64) and neighbour lists, as views: copying them
-        per insertion would cost O(nodes)."""
-        offsets = faiss.rev_swig_ptr(self.hnsw.offsets.data(), self.hnsw.offsets.size()).view(np.int64)
-        return offsets, faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
+    def _neighbor_lists(self):
+        """The index's neighbour lists, as a view: copying them per insertion would cost O(nodes)."""
+        return faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
 
     def reread_links(self, nodes):
         """Refresh the copies of these nodes' level-0 lists and the in-degrees they count toward."""
-        self._reread(nodes, *self._index_arrays())
+        self._reread(nodes, self._neighbor_lists())
 
-    def _reread(self, nodes, offsets, neighbors):
+    def _reread(self, nodes, neighbors):
         old = self.links[nodes]
-        new = neighbors[offsets[nodes][:, None] + np.arange(self.links.shape[1])]
+        new = neighbors[self.list_starts[nodes][:, None] + np.arange(self.links.shape[1])]
         changed = new != old  # mostly one slot per list: the new node's back link
         gained, lost = new[changed], old[changed]
         gained, lost = gained[gained >= 0], lost[lost >= 0]
@@ -189,12 +202,22 @@ class MipsHnsw:
         orphans = self.orphans()
         if len(orphans):
             nodes = self._with_orphans(queries, distances, nodes, orphans, k)
+        firsts = np.where(nodes >= 0, self.node_rows[np.maximum(nodes, 0)], -1)
         if self.node_count == self.count:  # no merged duplicates: each node is one vector
-            return np.where(nodes >= 0, self.node_rows[np.maximum(nodes, 0)], -1)
-        candidates = np.where(nodes[..., None] >= 0, self.members[np.maximum(nodes, 0)], -1).reshape(len(queries), -1)
+            return firsts
+        # Rows that found only single-member nodes, k of them, are their nodes' first vectors.
+        expand = (self.member_counts[np.maximum(nodes, 0)] > 1).any(axis=1) | (nodes.shape[1] < k)
+        if not expand.any():
+            return firsts
+        labels = np.full((len(queries), k), -1, dtype=np.int64)
+        if not expand.all():  # then every row found k nodes
+            labels[~expand] = firsts[~expand]
+        nodes = nodes[expand]
+        candidates = np.where(nodes[..., None] >= 0, self.members[np.maximum(nodes, 0)], -1).reshape(len(nodes), -1)
         # Keep the first k real members of each row, in order.
         order = np.argsort(candidates < 0, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(candidates, order, axis=1).astype(np.int64)
+        labels[expand] = np.take_along_axis(candidates, order, axis=1)
+        return labels
 
     def _with_orphans(self, queries, distances, nodes, orphans, k):
         """The graph's nodes (s, k') and their distances, plus the orphans -> the best k nodes (s, k)."""
@@ -358,15 +381,21 @@ class KeyHnswRetriever(HnswRetriever):
         pad the rows that found fewer."""
         s, r, d = queries.shape
         labels = graph.search(queries.reshape(s * r, d), self.keys_per_head).reshape(s, -1)
-        blocks = np.where(labels >= 0, labels // self.block_size, -1)
+        blocks = labels // self.block_size  # -1 (nothing found) stays -1
         blocks.sort(axis=1)
-        blocks[:, 1:][blocks[:, 1:] == blocks[:, :-1]] = -1  # a block found by several keys counts once
+        repeated = blocks < 0
+        repeated[:, 1:] |= blocks[:, 1:] == blocks[:, :-1]  # a block found by several keys counts once
         # Each row's distinct blocks first, in block order; columns that no row fills are cut.
-        blocks = np.take_along_axis(blocks, np.argsort(blocks < 0, axis=1, kind="stable"), axis=1)
-        blocks = blocks[:, : max(1, int((blocks >= 0).sum(axis=1).max()))]
-        keys = graph.vectors[: len(graph)].reshape(-1, self.block_size, d)
-        candidate_keys = torch.from_numpy(keys[np.maximum(blocks, 0)].reshape(s, -1, d))  # (s, c*B, d)
-        products = torch.from_numpy(queries) @ candidate_keys.transpose(1, 2)  # (s, r, c*B)
-        scores = products.view(s, r, blocks.shape[1], self.block_size).amax(dim=-1).sum(dim=1).numpy()
-        scores[blocks < 0] = -np.inf
+        found = blocks.shape[1] - repeated.sum(axis=1)
+        width = max(1, int(found.max()))
+        blocks = np.take_along_axis(blocks, np.argsort(repeated, axis=1, kind="stable")[:, :width], axis=1)
+        padding = np.arange(width) >= found[:, None]
+        blocks[padding] = -1
+        keys = torch.from_numpy(graph.vectors[: len(graph)]).view(-1, self.block_size * d)
+        candidate_keys = keys.index_select(0, torch.from_numpy(np.maximum(blocks, 0)).view(-1)).view(s, -1, d)
+        products = torch.bmm(torch.from_numpy(queries), candidate_keys.transpose(1, 2))  # (s, r, c*B)
+        # A block's best key per head: max_pool1d is ~3x faster than amax over a (..., c, B) view.
+        best = torch.nn.functional.max_pool1d(products.view(s * r, 1, -1), self.block_size)
+        scores = best.view(s, r, width).sum(dim=1).numpy()
+        scores[padding] = -np.inf
         return blocks, scores

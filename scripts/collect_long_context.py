@@ -52,13 +52,18 @@ def read_results(path, row_keys, parts):
 def labelled(result):
     """Needle rows and trials each with "model" (the folder evaluated) and "selection", how it scored
     blocks: the run's ann_block_summary for an ANN model (a config without one has MiniMindConfig's
-    default), None for a dense one."""
+    default), None for a dense one. HNSW over keys adds its search settings, which decide what it
+    finds ("keys, layers 1; 32 keys per head, efSearch 32"), so runs that differ there are not pooled."""
     config = result["config"]
     selection = config.get("ann_block_summary", MiniMindConfig().ann_block_summary) if config.get("attn") == "ann" else None
+    search = (f"; {config['hnsw_keys_per_head']} keys per head, efSearch {config['hnsw_ef_search']}"
+              if selection == "keys" and "hnsw_keys_per_head" in config else "")
     for part in ("rows", "trials"):
         for row in result[part]:
             row.setdefault("model", config.get("load"))
             row.setdefault("selection", selection if row["retrieval"] else None)
+            if row["retrieval"] == "hnsw" and search:
+                row["selection"] += search
     return result
 
 

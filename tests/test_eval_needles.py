@@ -234,6 +234,21 @@ def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_p
     assert f"| single | en | exact | bounds | 300 | {accuracy:.2f} (4) |" in capsys.readouterr().out
 
 
+def test_collect_long_context_labels_hnsw_over_keys_with_its_search_settings():
+    """Runs of HNSW over keys with different search settings are separate cells; exact rows of the
+    same run, and HNSW over bounds summaries, carry no search settings."""
+    def run(summary, keys_per_head):
+        config = {"attn": "ann", "load": "m", "ann_block_summary": summary, "hnsw_keys_per_head": keys_per_head,
+                  "hnsw_ef_search": keys_per_head}
+        rows = [{"retrieval": retrieval, "selection": f"{summary}, layers 1"} for retrieval in ("exact", "hnsw")]
+        return collect_long_context.labelled({"config": config, "rows": rows, "trials": []})["rows"]
+
+    assert [row["selection"] for row in run("keys", 32)] == [
+        "keys, layers 1", "keys, layers 1; 32 keys per head, efSearch 32"]
+    assert run("keys", 64)[1]["selection"] == "keys, layers 1; 64 keys per head, efSearch 64"
+    assert [row["selection"] for row in run("bounds", 64)] == ["bounds, layers 1"] * 2
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "file not found"),
     ("{", "not JSON"),

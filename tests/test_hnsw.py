@@ -124,6 +124,8 @@ def test_a_near_duplicate_joins_the_node_within_the_tolerance_of_its_vector():
     assert graph.node_count == 3 and graph.member_counts[:3].tolist() == [2, 1, 1]
     found = graph.search(base[None], 4)[0].tolist()
     assert sorted(found[:3]) == [0, 1, 2] and found[3] == 3
+    # One call, one row expanding the merged node and one finding single-member nodes only.
+    assert graph.search(np.stack([base, -base]), 1).tolist() == [[0], [3]]
 
 
 def test_graph_state_does_not_depend_on_how_insertions_are_split_or_on_faiss_threads():
