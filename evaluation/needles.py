@@ -14,14 +14,17 @@ question; a training document also holds the answer, the evaluation's prompt sto
 A drill (training only) is a multikey document whose every key sentence is followed at once by its
 own question and answer: a copy target every few dozen tokens, each a short way back, where a
 needle document holds one at its end.
-Numbers have 5-7 digits (the first not 0) and differ within a document; labels are an adjective and
+Numbers have 5-7 digits (the first not 0; optionally no digit twice) and differ within a document; labels are an adjective and
 a noun from word lists. Everything is drawn from a random.Random, so a seed fixes a document.
 Data building (scripts/make_prose_data.py) and evaluation (scripts/eval_needles.py) both take the
 wording from here, so a model is asked exactly what it was trained on.
 """
 
+import random
 import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from dataset.prose import HaystackSpan
 
@@ -105,21 +108,33 @@ def check_task(task, lang):
         raise ValueError(f"unknown language {lang!r}; choose from {', '.join(NEEDLE_TEXTS)}")
 
 
-def random_value(rng, taken):
-    """A number of 5-7 digits, the first not 0, not in `taken`."""
+def random_value(rng, taken, distinct_digits=False):
+    """A number of 5-7 digits, the first not 0, not in `taken`; with distinct_digits no digit
+    twice, from the same draws of `rng`, so what a document draws after it does not change."""
     while True:
         digits = rng.randint(*DIGITS_RANGE)
         value = rng.randint(10 ** (digits - 1), 10**digits - 1)
+        if distinct_digits:
+            value = without_repeated_digits(value)
         if value not in taken:
             return value
 
 
-def draw_needles(rng, task, lang, depth, num_keys=None, num_values=None, drilled=False):
+def without_repeated_digits(value):
+    """A number as long as `value`, no digit twice, the first not 0, chosen by `value`."""
+    pick = random.Random(value)
+    first = pick.choice("123456789")
+    rest = pick.sample([digit for digit in "0123456789" if digit != first], len(str(value)) - 1)
+    return int(first + "".join(rest))
+
+
+def draw_needles(rng, task, lang, depth, num_keys=None, num_values=None, drilled=False, distinct_digits=False):
     """The needles of one document: the asked-for sentence (multivalue: the first of its label's)
     at `depth`, every other key sentence at a depth drawn uniformly from 0..1.
 
     num_keys / num_values default to a draw from the task's range (KEY_RANGE, VALUE_RANGE).
     drilled: a drill (multikey only): every key sentence is asked right after it.
+    distinct_digits: numbers with no digit twice (random_value), the document otherwise the same.
     """
     check_task(task, lang)
     if drilled and task != "multikey":
@@ -138,7 +153,7 @@ def draw_needles(rng, task, lang, depth, num_keys=None, num_values=None, drilled
     taken, sentences = set(), []
     for label in labels:
         for index in range(num_values):
-            value = random_value(rng, taken)
+            value = random_value(rng, taken, distinct_digits)
             taken.add(value)
             if label == asked and index == 0:
                 at = depth
@@ -293,6 +308,18 @@ def build_prompt(tokenizer, stream, needles, length, start, passage_tokens=None)
     heldout_share = sum(stream.token_count(i) for i in used if i < stream.heldout) / max(piece_tokens, 1)
     wrapped = passage_tokens is None and len(used) > len(stream.pieces)
     return ids, HaystackSpan(used, len(ids), round(len(ids) * heldout_share), wrapped)
+
+
+def value_token(tokenizer, ids, value):
+    """Where the prompt `ids` spells `value`: the index of its first digit's token, or None where
+    the tokenizer merges digits with their neighbours (a tokenizer that splits digits spells a
+    number the same everywhere)."""
+    digits = tokenizer(str(value), add_special_tokens=False).input_ids
+    ids = np.asarray(ids)
+    for start in np.flatnonzero(ids == digits[0]):
+        if ids[start : start + len(digits)].tolist() == digits:
+            return int(start)
+    return None
 
 
 def shortest_prompt(tokenizer, task, lang):

@@ -12,7 +12,8 @@ scripts/make_prose_data.py) in every language, at every --lengths (tokens), with
 spread evenly over 0..1 (or --depths). Haystacks are cut from the held-out part of the corpus in
 --data_dir (dataset/prose.py); a haystack longer than a language's held-out text continues with its
 training text, and each trial records how many of its tokens were held out. With --passage_tokens N
-the haystack is one held-out passage of N tokens repeated (the training mix's repeated haystacks). A trial's needles and
+the haystack is one held-out passage of N tokens repeated (the training mix's repeated haystacks); with
+--distinct_digits no needle number holds a digit twice, in otherwise the same prompts. A trial's needles and
 haystack depend only on --seed, the task, the language, the length and the trial's index, so every
 model and retrieval sees the same prompts. An ANN model is evaluated with each of --retrievals on
 the same weights; a dense model once, and only up to --dense_max_length.
@@ -24,7 +25,8 @@ of the KV cache each (model/context_parallel.py); rank 0 prints and writes, and 
 every number of the label is among the answer's integers).
 --json PATH writes {"config", "rows", "trials"} (rows: task, lang, length, retrieval, seed (the
 model's training seed, from its training_args.json), needle_seed, accuracy, trials, prefill_seconds,
-answer_seconds, peak_rss_mb, ranks, peak_rss_mb_per_rank) and PATH with .png: accuracy by
+answer_seconds, peak_rss_mb, ranks, peak_rss_mb_per_rank; a trial also has its answer and
+value_token, the prompt index of the asked number's first digit) and PATH with .png: accuracy by
 length and depth, one panel per task, language and retrieval.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
@@ -44,7 +46,7 @@ from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
                                 load_model, resolve_load_path, training_seed)
-from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
+from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt, value_token
 from evaluation.reports import plot_needles, write_results
 from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths, trial_rng
 from model.config import RETRIEVERS
@@ -66,11 +68,13 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                 results = {retrieval: [] for retrieval in models}
                 for index, depth in enumerate(depths):
                     rng = trial_rng(args.seed, task, lang, length, index)
-                    needles = draw_needles(rng, task, lang, depth, num_keys=args.num_keys if task == "multikey" else None)
+                    needles = draw_needles(rng, task, lang, depth, num_keys=args.num_keys if task == "multikey" else None,
+                                           distinct_digits=args.distinct_digits)
                     stream = streams[lang]
                     ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate),
                                              args.passage_tokens or None)
                     max_new_tokens = len(tokenizer(answer(needles), add_special_tokens=False).input_ids) + 4
+                    asked_token = value_token(tokenizer, ids, needles.values[0])
                     for retrieval, model in models.items():
                         if retrieval is None and length > args.dense_max_length:
                             continue
@@ -84,7 +88,8 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                                  "selection": selection_of(model), "depth": depth,
                                  "seed": model_seed, "needle_seed": args.seed, "values": list(needles.values),
                                  "answer": text,
-                                 "correct": correct, "prompt_tokens": len(ids), "heldout_tokens": span.heldout_tokens,
+                                 "correct": correct, "prompt_tokens": len(ids), "value_token": asked_token,
+                                 "heldout_tokens": span.heldout_tokens,
                                  "wrapped": span.wrapped, "prefill_seconds": round(prefill_s, 4),
                                  "answer_seconds": round(total_s - prefill_s, 4)}
                         results[retrieval].append(trial)
@@ -150,6 +155,8 @@ def parse_args(argv=None):
                    help="longest prompt a dense model is asked (its cost grows with the square of the length)")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks")
+    p.add_argument("--distinct_digits", action="store_true",
+                   help="needle numbers with no digit twice; the prompts are otherwise those without it")
     p.add_argument("--passage_tokens", type=int, default=0,
                    help="haystack: one held-out passage of this many tokens repeated (0: held-out prose read on)")
     add_attention_overrides(p)
@@ -231,7 +238,7 @@ def main(argv=None):
             "hnsw_keys_per_head": config.hnsw_keys_per_head, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,
             "num_keys": args.num_keys, "prefill_chunk": args.prefill_chunk, "needle_seed": args.seed, "model_seed": seed,
-            "passage_tokens": args.passage_tokens,
+            "passage_tokens": args.passage_tokens, "distinct_digits": args.distinct_digits,
             "threads": torch.get_num_threads(), "device": args.device, "ranks": group.size if group else 1,
         }
         write_results(args.json, {"config": run_config, "rows": rows, "trials": trial_rows}, plot_needles,

@@ -104,6 +104,18 @@ def test_a_repeated_passage_haystack_is_recorded(trained, corpus_dir, tmp_path):
     assert abs(result["trials"][0]["prompt_tokens"] - 300) <= 40
 
 
+def test_distinct_digits_are_asked_and_recorded(trained, corpus_dir, tmp_path):
+    json_path = tmp_path / "distinct.json"
+    assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300",
+                              "--tasks", "single", "multivalue", "--langs", "en", "--trials", "2", "--retrievals", "exact",
+                              "--distinct_digits", "--json", str(json_path)]) == 0
+    result = json.loads(json_path.read_text())
+    numbers = [str(value) for trial in result["trials"] for value in trial["values"]]
+    assert result["config"]["distinct_digits"] is True and len(numbers) >= 4
+    assert all(len(set(number)) == len(number) for number in numbers)
+    assert all(isinstance(trial["value_token"], int) for trial in result["trials"])
+
+
 def test_torchrun_launch_shards_every_prompt_and_answers_as_one_process(trained, corpus_dir, tmp_path):
     """2 ranks, each holding half of every prompt's KV cache: the same greedy answers as one process,
     for exact retrieval and for HNSW graphs per shard."""

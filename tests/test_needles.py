@@ -12,7 +12,7 @@ from dataset.prose import heldout_stream, read_corpus, training_stream
 from evaluation.needles import (
     DIGITS_RANGE, KEY_RANGE, NEEDLE_TEXTS, TASKS, VALUE_RANGE, Needles, answer, build_prompt, draw_needles,
     fit_pieces, inserted_text, key_sentence, parse_numbers, prompt_text, question, score, shortest_prompt,
-    training_documents,
+    training_documents, value_token,
 )
 from tests.prose_corpus import write_corpus
 
@@ -48,6 +48,22 @@ def test_needles_follow_the_task(task, lang):
         assert all(DIGITS_RANGE[0] <= len(str(value)) <= DIGITS_RANGE[1] for value in values)
         asked_depths = [at for label, _, at in needles.ordered() if label == needles.asked]
         assert asked_depths[0] == 0.3 and all(at >= 0.3 for at in asked_depths)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_distinct_digits_change_only_the_numbers(task):
+    """Numbers of the same lengths with no digit twice; labels, depths and what the generator draws
+    next (the haystack's start) stay those of the draw without the option."""
+    for seed in range(20):
+        plain_rng, distinct_rng = random.Random(seed), random.Random(seed)
+        plain = draw_needles(plain_rng, task, "en", 0.4)
+        distinct = draw_needles(distinct_rng, task, "en", 0.4, distinct_digits=True)
+        assert plain_rng.random() == distinct_rng.random()
+        assert [(label, at) for label, _, at in plain.sentences] == [(label, at) for label, _, at in distinct.sentences]
+        numbers = [str(value) for _, value, _ in distinct.sentences]
+        assert [len(number) for number in numbers] == [len(str(value)) for _, value, _ in plain.sentences]
+        assert all(len(set(number)) == len(number) and number[0] != "0" for number in numbers)
+        assert len(set(numbers)) == len(numbers)
 
 
 def test_same_seed_same_needles_other_seed_other_needles():
@@ -129,6 +145,17 @@ def test_prompt_has_the_target_length_from_heldout_prose(tokenizer, heldout_stre
     else:  # all held-out text came first, then training text
         assert heldout_pieces == stream.heldout and 0 < span.heldout_tokens < len(ids)
         assert all(i < stream.heldout for i in span.indices[:heldout_pieces])
+
+
+@pytest.mark.parametrize("lang", LANGS)
+@pytest.mark.parametrize("task", TASKS)
+def test_value_token_points_at_the_asked_number_in_the_prompt(tokenizer, heldout_streams, task, lang):
+    needles = draw_needles(random.Random(6), task, lang, 0.5)
+    ids, _ = build_prompt(tokenizer, heldout_streams[lang], needles, 600, start=0)
+    value = needles.values[0]
+    start = value_token(tokenizer, ids, value)
+    assert tokenizer.decode(ids[start : start + len(str(value))]) == str(value)
+    assert value_token(tokenizer, ids[:start], value) is None
 
 
 @pytest.mark.parametrize("lang", LANGS)
