@@ -24,8 +24,6 @@ import random
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from dataset.prose import HaystackSpan
 
 TASKS = ("single", "multikey", "multivalue")
@@ -308,18 +306,6 @@ def build_prompt(tokenizer, stream, needles, length, start, passage_tokens=None)
     heldout_share = sum(stream.token_count(i) for i in used if i < stream.heldout) / max(piece_tokens, 1)
     wrapped = passage_tokens is None and len(used) > len(stream.pieces)
     return ids, HaystackSpan(used, len(ids), round(len(ids) * heldout_share), wrapped)
-
-
-def value_token(tokenizer, ids, value):
-    """Where the prompt `ids` spells `value`: the index of its first digit's token, or None where
-    the tokenizer merges digits with their neighbours (a tokenizer that splits digits spells a
-    number the same everywhere)."""
-    digits = tokenizer(str(value), add_special_tokens=False).input_ids
-    ids = np.asarray(ids)
-    for start in np.flatnonzero(ids == digits[0]):
-        if ids[start : start + len(digits)].tolist() == digits:
-            return int(start)
-    return None
 
 
 def shortest_prompt(tokenizer, task, lang):

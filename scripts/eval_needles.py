@@ -26,7 +26,7 @@ every number of the label is among the answer's integers).
 --json PATH writes {"config", "rows", "trials"} (rows: task, lang, length, retrieval, seed (the
 model's training seed, from its training_args.json), needle_seed, accuracy, trials, prefill_seconds,
 answer_seconds, peak_rss_mb, ranks, peak_rss_mb_per_rank; a trial also has its answer and
-value_token, the prompt index of the asked number's first digit) and PATH with .png: accuracy by
+value_token, the prompt index of the asked number's first token) and PATH with .png: accuracy by
 length and depth, one panel per task, language and retrieval.
 Exit codes: 0 done, 2 bad arguments or nothing loadable.
 """
@@ -46,8 +46,9 @@ from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
                                 load_model, resolve_load_path, training_seed)
-from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt, value_token
+from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
 from evaluation.reports import plot_needles, write_results
+from evaluation.selection import value_position
 from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths, trial_rng
 from model.config import RETRIEVERS
 
@@ -74,7 +75,7 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                     ids, span = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate),
                                              args.passage_tokens or None)
                     max_new_tokens = len(tokenizer(answer(needles), add_special_tokens=False).input_ids) + 4
-                    asked_token = value_token(tokenizer, ids, needles.values[0])
+                    asked_token = value_position(tokenizer, ids, needles.values[0])
                     for retrieval, model in models.items():
                         if retrieval is None and length > args.dense_max_length:
                             continue

@@ -12,7 +12,7 @@ from dataset.prose import heldout_stream, read_corpus, training_stream
 from evaluation.needles import (
     DIGITS_RANGE, KEY_RANGE, NEEDLE_TEXTS, TASKS, VALUE_RANGE, Needles, answer, build_prompt, draw_needles,
     fit_pieces, inserted_text, key_sentence, parse_numbers, prompt_text, question, score, shortest_prompt,
-    training_documents, value_token,
+    training_documents,
 )
 from tests.prose_corpus import write_corpus
 
@@ -145,17 +145,6 @@ def test_prompt_has_the_target_length_from_heldout_prose(tokenizer, heldout_stre
     else:  # all held-out text came first, then training text
         assert heldout_pieces == stream.heldout and 0 < span.heldout_tokens < len(ids)
         assert all(i < stream.heldout for i in span.indices[:heldout_pieces])
-
-
-@pytest.mark.parametrize("lang", LANGS)
-@pytest.mark.parametrize("task", TASKS)
-def test_value_token_points_at_the_asked_number_in_the_prompt(tokenizer, heldout_streams, task, lang):
-    needles = draw_needles(random.Random(6), task, lang, 0.5)
-    ids, _ = build_prompt(tokenizer, heldout_streams[lang], needles, 600, start=0)
-    value = needles.values[0]
-    start = value_token(tokenizer, ids, value)
-    assert tokenizer.decode(ids[start : start + len(str(value))]) == str(value)
-    assert value_token(tokenizer, ids[:start], value) is None
 
 
 @pytest.mark.parametrize("lang", LANGS)
