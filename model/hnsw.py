@@ -70,7 +70,6 @@ class MipsHnsw:
         self.members = np.zeros((0, self.MAX_EXPANSION), dtype=np.int32)  # node -> vectors, -1 padded
         self.member_counts = np.zeros(0, dtype=np.int64)
         self.links = np.zeros((0, 2 * m), dtype=np.int32)  # node -> its level-0 neighbours, as the index holds them
-        self.list_starts = np.zeros(0, dtype=np.int64)  # node -> where the index's neighbour lists hold them
         self.in_degree = np.zeros(0, dtype=np.int64)  # node -> level-0 lists holding it
         self.unlinked = set()  # nodes of in-degree 0, kept per insertion: a scan per search is O(nodes)
         self.radius = 0.0
@@ -138,7 +137,6 @@ class MipsHnsw:
             self.members = with_rows(self.members, node + 1, -1)
             self.member_counts = with_rows(self.member_counts, node + 1, 0)
             self.links = with_rows(self.links, node + 1, -1)
-            self.list_starts = with_rows(self.list_starts, node + 1, 0)
             self.in_degree = with_rows(self.in_degree, node + 1, 0)
         self.node_rows[node] = row
         self._link(node, lifted)
@@ -158,23 +156,24 @@ class MipsHnsw:
         """Insert node (its lifted vector (1, d+1)) into the index; re-read the level-0 lists this
         rewrote: its own and those of the nodes it links to."""
         self.index.add_c(1, faiss.swig_ptr(lifted))
-        # A node's lists never move within the index's storage (the storage may move as it grows).
-        start = self.list_starts[node] = self.hnsw.offsets.at(node)
-        neighbors = self._neighbor_lists()
+        offsets, neighbors = self._index_arrays()
+        start = offsets[node]
         own = neighbors[start : start + self.links.shape[1]]
-        self._reread(np.concatenate(([node], own[own >= 0])), neighbors)
+        self._reread(np.concatenate(([node], own[own >= 0])), offsets, neighbors)
 
-    def _neighbor_lists(self):
-        """The index's neighbour lists, as a view: copying them per insertion would cost O(nodes)."""
-        return faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
+    def _index_arrays(self):
+        """The index's neighbour-list offsets (int64) and neighbour lists, as views: copying them
+        per insertion would cost O(nodes)."""
+        offsets = faiss.rev_swig_ptr(self.hnsw.offsets.data(), self.hnsw.offsets.size()).view(np.int64)
+        return offsets, faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
 
     def reread_links(self, nodes):
         """Refresh the copies of these nodes' level-0 lists and the in-degrees they count toward."""
-        self._reread(nodes, self._neighbor_lists())
+        self._reread(nodes, *self._index_arrays())
 
-    def _reread(self, nodes, neighbors):
+    def _reread(self, nodes, offsets, neighbors):
         old = self.links[nodes]
-        new = neighbors[self.list_starts[nodes][:, None] + np.arange(self.links.shape[1])]
+        new = neighbors[offsets[nodes][:, None] + np.arange(self.links.shape[1])]
         changed = new != old  # mostly one slot per list: the new node's back link
         gained, lost = new[changed], old[changed]
         gained, lost = gained[gained >= 0], lost[lost >= 0]
