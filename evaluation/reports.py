@@ -144,10 +144,13 @@ def plot_induction(rows, title, png_path):
 
 def plot_selection(rows, title, png_path):
     """scripts/probe_selection.py's rows: share of queries with the needle's block in the top_n by
-    length, one panel per layer, a line per ranking (hnsw_keys when probed) and language."""
-    layers = sorted({row["layer"] for row in rows})
-    fig, axes = plt.subplots(1, len(layers), figsize=(3.6 * len(layers), 3.2), squeeze=False, sharey=True)
-    for ax, layer in zip(axes[0], layers):
+    length, one panel per layer, a line per ranking (hnsw_keys when probed) and language; rows of
+    --answer go to plot_answer_selection."""
+    if rows and "answer_token" in rows[0]:
+        plot_answer_selection(rows, title, png_path)
+        return
+
+    def draw(ax, layer):
         for lang in dict.fromkeys(row["lang"] for row in rows):
             own = sorted((row for row in rows if row["layer"] == layer and row["lang"] == lang), key=lambda r: r["length"])
             for ranking, style in (("summary", "-"), ("max_logit", "--"), ("mass", ":"), ("hnsw_keys", "-.")):
@@ -155,12 +158,41 @@ def plot_selection(rows, title, png_path):
                     continue
                 ax.plot([length_label(row["length"]) for row in own], [row[f"{ranking}_in_top_n"] for row in own],
                         style, marker=".", label=f"{lang} {ranking}")
-        ax.set_title(f"layer {layer}", fontsize=9)
         ax.set_xlabel("prompt tokens")
+
+    layer_panels(rows, draw, "needle block in top n", title, png_path)
+
+
+def plot_answer_selection(rows, title, png_path):
+    """probe_selection.py --answer rows: per answer token (in answer order), the share of (prompt, kv
+    head) pairs with the copied block in the top_n by best key (dashed) and the mean probability of
+    the right token (solid); one panel per layer, a pair of lines per language and length."""
+
+    def draw(ax, layer):
+        for lang, length in dict.fromkeys((row["lang"], row["length"]) for row in rows):
+            own = [row for row in rows if (row["layer"], row["lang"], row["length"]) == (layer, lang, length)]
+            labels = [row["answer_token"] for row in own]
+            line = ax.plot(labels, [row["p_correct"] for row in own], "-", marker=".",
+                           label=f"{lang} {length_label(length)} p(right token)")[0]
+            ax.plot(labels, [row["max_logit_in_top_n"] for row in own], "--", marker=".", color=line.get_color(),
+                    label=f"{lang} {length_label(length)} block in top n")
+        ax.set_xlabel("answer token")
+        ax.tick_params(axis="x", labelsize=7)
+
+    layer_panels(rows, draw, "share / probability", title, png_path)
+
+
+def layer_panels(rows, draw, ylabel, title, png_path):
+    """One panel per layer of the probe's rows, draw(ax, layer) filling each, shares on 0..1."""
+    layers = sorted({row["layer"] for row in rows})
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.6 * len(layers), 3.2), squeeze=False, sharey=True)
+    for ax, layer in zip(axes[0], layers):
+        draw(ax, layer)
+        ax.set_title(f"layer {layer}", fontsize=9)
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("needle block in top n")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)

@@ -70,13 +70,30 @@ def record_layers(model, layers=None):
 
 
 @torch.inference_mode()
-def prefill(model, token_ids, chunk):
-    """Run token_ids (a list) through model's KV cache `chunk` tokens at a time (0: at once)."""
-    cache = model.new_cache()
+def prefill(model, token_ids, chunk, cache=None):
+    """Run token_ids (a list) through `cache` (None: a new one) `chunk` tokens at a time (0: at once)
+    -> the logits (vocab,) that follow the last token."""
+    cache = model.new_cache() if cache is None else cache
     input_ids = torch.tensor([token_ids], device=model.device)
     step = chunk or input_ids.shape[1]
     for begin in range(0, input_ids.shape[1], step):
-        model(input_ids[:, begin : begin + step], cache=cache, use_cache=True, logits_to_keep=1)
+        logits = model(input_ids[:, begin : begin + step], cache=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[0, -1]
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt_ids, answer_ids, chunk):
+    """((a,) the model's probability of each of the a answer tokens given the prompt and the answer
+    before it, (a,) whether that token is the most likely one): the prompt prefilled `chunk` tokens
+    at a time, then all but the answer's last token in one call (which equals decoding them one by one)."""
+    cache = model.new_cache()
+    logits = [prefill(model, prompt_ids, chunk, cache)[None]]
+    if len(answer_ids) > 1:
+        following = torch.tensor([answer_ids[:-1]], device=model.device)
+        logits.append(model(following, cache=cache, use_cache=True).logits[0])
+    logits = torch.cat(logits).float().cpu()
+    expected = torch.tensor(answer_ids)
+    return logits.softmax(dim=-1)[torch.arange(len(answer_ids)), expected], logits.argmax(dim=-1) == expected
 
 
 def rank_of(scores, target):
@@ -160,14 +177,28 @@ def value_position(tokenizer, token_ids, value):
     pieces = [tokenizer.decode([token]) for token in token_ids]
     for start in range(len(pieces) - 1, -1, -1):
         text = ""
-        for piece in pieces[start:]:
-            text += piece
+        for end in range(start, len(pieces)):  # not pieces[start:]: a copy per start is quadratic
+            text += pieces[end]
             stripped = text.strip()
             if stripped == digits:
                 return start
             if not digits.startswith(stripped):
                 break
     return None
+
+
+def copy_targets(tokenizer, answer_ids, number_position):
+    """[(label, prompt position)] per answer token: what it copies from the number the prompt spells
+    from number_position on (one token per digit, as the prose tokenizer splits numbers). Digit i
+    ("d1", "d2", ...) copies the number's digit i; a token before the number ("lead") its first
+    digit, a token after it ("end") its last."""
+    pieces = [tokenizer.decode([token]).strip() for token in answer_ids]
+    digits = [index for index, piece in enumerate(pieces) if piece.isdigit()]
+    if not digits or any(len(pieces[index]) != 1 for index in digits) or digits != list(range(digits[0], digits[-1] + 1)):
+        raise ValueError(f"the answer {pieces} does not spell one number a digit per token")
+    first, last = digits[0], digits[-1]
+    return [("lead", number_position) if index < first else ("end", number_position + last - first) if index > last
+            else (f"d{index - first + 1}", number_position + index - first) for index in range(len(answer_ids))]
 
 
 def model_keys(model, tokenizer, text_path, num_tokens, layers, chunk):

@@ -3,7 +3,8 @@
     python scripts/collect_long_context.py --needles out/seed*/prose_*/needles*.json \\
         --perplexity out/seed*/prose_ann/perplexity.json --out_dir docs/long_context
 
-Reads the JSON files of scripts/eval_needles.py and scripts/eval_perplexity.py and writes
+Reads the JSON files of scripts/eval_needles.py and scripts/eval_perplexity.py (or result files
+this script wrote before, whose runs are taken as they are: new runs fold into committed files) and writes
 OUT_DIR/needles.json ({"sources", "rows", "trials"}: every run's rows, each with its model's
 training seed) and OUT_DIR/perplexity.json ({"sources", "rows"}), each with its PNG (needles: a
 heatmap cell is the mean over seeds and trials; loss: the mean over seeds, bars from the lowest to
@@ -33,13 +34,16 @@ FARTHEST_BUCKETS = ("16k-64k", "64k+")  # past what recent_context reads (eval_p
 
 
 def read_results(path, row_keys, parts):
-    """The JSON object in `path`, checked to hold `parts` and rows with every key in `row_keys`."""
+    """The JSON object in `path`, checked to hold `parts` and rows with every key in `row_keys`; a
+    file this script wrote (with "sources" where a run's file has "config") is checked for those."""
     try:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise UsageError(f"{path}: not JSON ({error})") from None
+    if isinstance(result, dict) and "sources" in result and "config" not in result:
+        parts = ["sources" if part == "config" else part for part in parts]
     if not isinstance(result, dict) or any(part not in result for part in parts):
         raise UsageError(f"{path}: expected a JSON object with {', '.join(parts)}")
     for index, row in enumerate(result["rows"]):
@@ -53,15 +57,21 @@ def labelled(result):
     """Needle rows and trials each with "model" (the folder evaluated) and "selection", how it scored
     blocks: the run's ann_block_summary for an ANN model (a config without one has MiniMindConfig's
     default), None for a dense one. HNSW over keys adds its search settings, which decide what it
-    finds ("keys, layers 1; 32 keys per head, efSearch 32"), so runs that differ there are not pooled."""
+    finds ("keys, layers 1; 32 keys per head, efSearch 32"), and a top_n other than the config
+    default is named too ("keys, layers 1, top 2; ..."), so runs that differ there are not pooled."""
     config = result["config"]
-    selection = config.get("ann_block_summary", MiniMindConfig().ann_block_summary) if config.get("attn") == "ann" else None
+    default = MiniMindConfig()
+    selection = config.get("ann_block_summary", default.ann_block_summary) if config.get("attn") == "ann" else None
+    top_n = config.get("ann_top_n", default.ann_top_n)
+    fewer = f", top {top_n}" if top_n != default.ann_top_n else ""
     search = (f"; {config['hnsw_keys_per_head']} keys per head, efSearch {config['hnsw_ef_search']}"
               if selection == "keys" and "hnsw_keys_per_head" in config else "")
     for part in ("rows", "trials"):
         for row in result[part]:
             row.setdefault("model", config.get("load"))
             row.setdefault("selection", selection if row["retrieval"] else None)
+            if row["retrieval"]:
+                row["selection"] += fewer
             if row["retrieval"] == "hnsw" and search:
                 row["selection"] += search
     return result
@@ -69,11 +79,17 @@ def labelled(result):
 
 def collect(paths, row_keys, parts, prepare=lambda result: result):
     """{"sources": [{"path", "config"}], part: rows of every file, in order} for the parts besides
-    config; prepare(result) adjusts each file's result first."""
+    config; prepare(result) adjusts each file's result first. A file collected before adds its
+    sources and rows as they are: new runs fold into a committed result file whose own sources
+    need not be at hand."""
     collected = {"sources": [], **{part: [] for part in parts if part != "config"}}
     for path in paths:
-        result = prepare(read_results(path, row_keys, parts))
-        collected["sources"].append({"path": str(path), "config": result["config"]})
+        result = read_results(path, row_keys, parts)
+        if "sources" in result:
+            collected["sources"] += result["sources"]
+        else:
+            result = prepare(result)
+            collected["sources"].append({"path": str(path), "config": result["config"]})
         for part in collected:
             if part != "sources":
                 collected[part] += result[part]
@@ -135,8 +151,10 @@ def comparisons(rows):
 
 def parse_args(argv=None):
     p = OneLineParser(description="Collect needle and held-out loss results of several runs")
-    p.add_argument("--needles", nargs="*", default=[], help="JSON files written by scripts/eval_needles.py")
-    p.add_argument("--perplexity", nargs="*", default=[], help="JSON files written by scripts/eval_perplexity.py")
+    p.add_argument("--needles", nargs="*", default=[],
+                   help="JSON files written by scripts/eval_needles.py, or a needles.json this script wrote")
+    p.add_argument("--perplexity", nargs="*", default=[],
+                   help="JSON files written by scripts/eval_perplexity.py, or a perplexity.json this script wrote")
     p.add_argument("--out_dir", default="docs/long_context", help="where needles.json and perplexity.json go")
     return p.parse_args(argv)
 

@@ -12,7 +12,12 @@ heads of the largest q . k in the block (a perfectly tight summary), and by the 
 group would give the block if every candidate were visible; with --hnsw_keys also as "keys"
 selection through HNSW does: per kv head a graph over the candidate keys, each query head's
 hnsw_keys_per_head best keys, the blocks holding them scored by their best keys, the others
-never offered (evaluation/selection.py hnsw_key_scores). The model prefills with --retrieval
+never offered (evaluation/selection.py hnsw_key_scores). With --answer the answer is teacher-forced
+after the prompt and every answer token's query is probed: the block ranked is the one holding the
+prompt token it copies (a digit: the same digit of the number; the space or end mark around the
+number: its first or last digit), and the table adds the model's probability of that answer token
+(`p_correct`) and the share of prompts where it is the most likely one (`argmax`): where the copy
+breaks, and whether selection lost the block there. The model prefills with --retrieval
 (exact, or hnsw for lengths where scoring every key is too slow). Per length, language and layer the
 table gives the mean candidates, the median rank and the share of (trial, kv head) pairs with the
 block in the top_n under each ranking, and `bounds_must_score`: the mean share of candidate
@@ -36,10 +41,10 @@ from common.cli import OneLineParser, UsageError
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
                                 load_model, resolve_load_path)
-from evaluation.needles import build_prompt, draw_needles, shortest_prompt
+from evaluation.needles import answer, build_prompt, draw_needles, shortest_prompt
 from evaluation.reports import plot_selection, write_results
-from evaluation.selection import (RANKINGS, block_scores, bounds_must_score, prefill, record_layers, target_ranks,
-                                  value_position)
+from evaluation.selection import (RANKINGS, block_scores, bounds_must_score, copy_targets, prefill, record_layers,
+                                  target_ranks, teacher_forced, value_position)
 from evaluation.trials import spread_depths, trial_rng
 
 
@@ -55,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--hnsw_keys", action="store_true",
                    help="also rank as 'keys' selection through HNSW does (the model's HNSW settings; --hnsw_m, "
                         "--hnsw_ef_construction, --hnsw_ef_search, --hnsw_keys_per_head change them)")
+    p.add_argument("--answer", action="store_true",
+                   help="teacher-force the answer and probe the query of every answer token (default: only the last prompt token's)")
     p.add_argument("--retrieval", choices=("exact", "hnsw"), default="exact",
                    help="how the model retrieves while it prefills the prompt (the probe scores every candidate itself)")
     add_attention_overrides(p)
@@ -66,31 +73,38 @@ def parse_args(argv=None):
     return args
 
 
-def probe_prompt(model, recorders, ids, target_position, prefill_chunk, hnsw):
-    """{layer: ({ranking: ranks (g,)} or None, candidates, HNSW build seconds, bounds_must_score (g,))}
-    of the prompt's last query for the block of target_position (None: that block is in the query's
-    window)."""
+def probe_prompt(model, recorders, ids, answer_ids, targets, prefill_chunk, hnsw):
+    """Prefill ids, then teacher-force answer_ids (may be empty); targets [(query position, target
+    position)] -> ({layer: [({ranking: ranks (g,)} or None, candidates, HNSW build seconds,
+    bounds_must_score (g,)) per target]}, teacher_forced's (probabilities, argmax) or None): each query
+    ranks the block of its target position (None: that block is in the query's window)."""
     for recorder in recorders.values():
         recorder.keys.clear()
         recorder.queries.clear()
-    prefill(model, ids, prefill_chunk)
+    if answer_ids:
+        probabilities = teacher_forced(model, ids, answer_ids, prefill_chunk)
+    else:
+        prefill(model, ids, prefill_chunk)
+        probabilities = None
     config = model.config
-    position = len(ids) - 1
     results = {}
     for layer, recorder in recorders.items():
         keys, queries = recorder.recorded()
-        query = queries[0, :, position]
-        scores, building = block_scores(query, keys[0], position, config.ann_window, config.ann_block_size,
-                                        config.ann_block_summary, hnsw)
-        must_score = bounds_must_score(query, keys[0], scores["max_logit"], config.ann_block_size, config.ann_top_n)
-        results[layer] = (target_ranks(scores, target_position, config.ann_block_size), scores["summary"].shape[1],
-                          building, must_score)
-    return results
+        results[layer] = []
+        for position, target_position in targets:
+            query = queries[0, :, position]
+            scores, building = block_scores(query, keys[0], position, config.ann_window, config.ann_block_size,
+                                            config.ann_block_summary, hnsw)
+            must_score = bounds_must_score(query, keys[0], scores["max_logit"], config.ann_block_size, config.ann_top_n)
+            results[layer].append((target_ranks(scores, target_position, config.ann_block_size), scores["summary"].shape[1],
+                                   building, must_score))
+    return results, probabilities
 
 
-def summary_rows(collected, top_n, rankings):
+def summary_rows(collected, probabilities, top_n, rankings):
+    """Rows per (length, lang, layer), and per answer token label with --answer (the key's fourth item)."""
     rows = []
-    for (length, lang, layer), entries in collected.items():
+    for (length, lang, layer, token), entries in collected.items():
         ranks = {ranking: torch.cat([entry[0][ranking] for entry in entries]).float() for ranking in rankings}
         row = {"length": length, "lang": lang, "layer": layer, "trials": len(entries),
                "candidates": round(sum(entry[1] for entry in entries) / len(entries), 1),
@@ -100,17 +114,29 @@ def summary_rows(collected, top_n, rankings):
             row[f"{ranking}_in_top_n"] = round(float((values <= top_n).float().mean()), 4)
         if "hnsw_keys" in rankings:
             row["hnsw_build_seconds"] = round(sum(entry[2] for entry in entries) / len(entries), 4)
+        if token is not None:
+            chances = torch.tensor(probabilities[length, lang, token], dtype=torch.float64)
+            row.update(answer_token=token, p_correct=round(float(chances[:, 0].mean()), 4),
+                       argmax=round(float(chances[:, 1].mean()), 4))
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda row: (row["length"], row["lang"], row["layer"], label_order(row.get("answer_token"))))
+
+
+def label_order(label):
+    """copy_targets' labels in answer order: lead, d1, d2, ..., end (None: the default probe's one row)."""
+    return {None: 0, "lead": 0, "end": 100}.get(label) if label in (None, "lead", "end") else int(label[1:])
 
 
 def print_table(rows, top_n, rankings):
     names = " ".join(f"{ranking + ' rank':>15} {'top ' + str(top_n):>7}" for ranking in rankings)
-    print(f"{'length':>7} {'lang':<4} {'layer':>5} {'trials':>6} {'blocks':>7} {names} {'must score':>10}")
+    answer = "answer_token" in rows[0] if rows else False
+    extra = f" {'token':>5} {'p_correct':>9} {'argmax':>6}" if answer else ""
+    print(f"{'length':>7} {'lang':<4} {'layer':>5}{extra} {'trials':>6} {'blocks':>7} {names} {'must score':>10}")
     for row in rows:
         cells = " ".join(f"{row[ranking + '_median_rank']:>15.1f} {row[ranking + '_in_top_n']:>7.2f}" for ranking in rankings)
-        print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5} {row['trials']:>6} {row['candidates']:>7.1f} {cells} "
-              f"{row['bounds_must_score']:>10.2f}")
+        extra = f" {row['answer_token']:>5} {row['p_correct']:>9.3f} {row['argmax']:>6.2f}" if answer else ""
+        print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5}{extra} {row['trials']:>6} {row['candidates']:>7.1f} "
+              f"{cells} {row['bounds_must_score']:>10.2f}")
 
 
 def main(argv=None):
@@ -132,7 +158,8 @@ def main(argv=None):
 
     recorders = record_layers(model)
     streams = {lang: heldout_stream(corpus, lang, tokenizer) for lang in args.langs}
-    collected, skipped = {}, 0
+    hnsw = model.config if args.hnsw_keys else None
+    collected, probabilities, skipped = {}, {}, 0
     for length in args.lengths:
         for lang in args.langs:
             for index, depth in enumerate(spread_depths(args.trials)):
@@ -140,29 +167,47 @@ def main(argv=None):
                 needles = draw_needles(rng, "single", lang, depth)
                 stream = streams[lang]
                 ids, _ = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
-                target = value_position(tokenizer, ids, needles.values[0])
-                if target is None:
+                number = value_position(tokenizer, ids, needles.values[0])
+                if number is None:
                     raise RuntimeError(f"the {lang} prompt of {length} tokens does not spell {needles.values[0]}")
-                hnsw = model.config if args.hnsw_keys else None
-                for layer, entry in probe_prompt(model, recorders, ids, target, args.prefill_chunk, hnsw).items():
-                    if entry[0] is None or entry[3] is None:
-                        skipped += 1
-                        continue
-                    collected.setdefault((length, lang, layer), []).append(entry)
+                if args.answer:
+                    answer_ids = tokenizer(answer(needles), add_special_tokens=False).input_ids
+                    labels, copied = zip(*copy_targets(tokenizer, answer_ids, number))
+                    targets = list(enumerate(copied, start=len(ids) - 1))
+                else:
+                    answer_ids, labels, targets = [], [None], [(len(ids) - 1, number)]
+                results, chances = probe_prompt(model, recorders, ids, answer_ids, targets, args.prefill_chunk, hnsw)
+                if chances is not None:
+                    print(f"{lang} {length} depth {depth:.2f} {needles.values[0]}: p_correct per answer token "
+                          + " ".join(f"{value:.2f}" for value in chances[0].tolist()))
+                    for label, outcome in zip(labels, zip(*(part.tolist() for part in chances))):
+                        probabilities.setdefault((length, lang, label), []).append(outcome)
+                for layer, entries in results.items():
+                    if chances is not None:
+                        print(f"  layer {layer}: best-key rank of the copied block per answer token (kv heads) "
+                              + " ".join("-" if entry[0] is None else "/".join(map(str, entry[0]["max_logit"].tolist()))
+                                         for entry in entries))
+                    for label, entry in zip(labels, entries):
+                        if entry[0] is None or entry[3] is None:
+                            skipped += 1
+                            continue
+                        collected.setdefault((length, lang, layer, label), []).append(entry)
     top_n = model.config.ann_top_n
     rankings = RANKINGS + (("hnsw_keys",) if args.hnsw_keys else ())
-    rows = summary_rows(collected, top_n, rankings)
-    print(f"model: {path}; the last query's rank of the needle's block (of {model.config.ann_block_size} tokens) "
-          f"among its candidates, per kv head; top {top_n} is what it retrieves")
+    rows = summary_rows(collected, probabilities, top_n, rankings)
+    asked = ("each answer token's query ranks the block holding the prompt token it copies" if args.answer
+             else "the last query's rank of the needle's block")
+    print(f"model: {path}; {asked} (blocks of {model.config.ann_block_size} tokens) among its candidates, per kv head; "
+          f"top {top_n} is what it retrieves")
     print_table(rows, top_n, rankings)
     if skipped:
-        print(f"{skipped} (prompt, layer) pairs had the needle in the window or at most top_n candidates "
+        print(f"{skipped} (query, layer) pairs had the needle in the window or at most top_n candidates "
               "and are left out")
     if args.json:
         run_config = {"load": str(path), "lengths": args.lengths, "langs": args.langs, "trials": args.trials,
                       "seed": args.seed, "top_n": top_n, "block_size": model.config.ann_block_size,
                       "window": model.config.ann_window, "summary": model.config.ann_block_summary,
-                      "retrieval": args.retrieval, "hnsw_keys": args.hnsw_keys,
+                      "retrieval": args.retrieval, "hnsw_keys": args.hnsw_keys, "answer": args.answer,
                       **{name: getattr(model.config, name)
                          for name in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "hnsw_keys_per_head")}}
         write_results(args.json, {"config": run_config, "rows": rows}, plot_selection, f"needle block selection: {path}")

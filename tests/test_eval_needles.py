@@ -230,10 +230,11 @@ def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_p
     out = capsys.readouterr().out
     collected = json.loads((out_dir / "needles.json").read_text())
     assert [row["seed"] for row in collected["rows"]] == [7, 8] and len(collected["trials"]) == 4
-    assert {(row["model"], row["selection"]) for row in collected["rows"]} == {(str(trained), "bounds")}
+    # The fixture model retrieves 2 blocks, not the config default 4: its selection says so.
+    assert {(row["model"], row["selection"]) for row in collected["rows"]} == {(str(trained), "bounds, top 2")}
     assert [source["path"] for source in collected["sources"]] == [str(needles), str(needles.with_name("needles_seed8.json"))]
     accuracy = collected["rows"][0]["accuracy"]
-    assert f"| single | en | exact | bounds | 300 | {accuracy:.2f} (2) | {accuracy:.2f} (2) |" in out
+    assert f"| single | en | exact | bounds, top 2 | 300 | {accuracy:.2f} (2) | {accuracy:.2f} (2) |" in out
     loss_rows = json.loads((out_dir / "perplexity.json").read_text())["rows"]
     assert {row["seed"] for row in loss_rows} == {7, 8}
     near = next(r for r in loss_rows if (r["seed"], r["variant"], r["bucket"], r["text"]) == (7, "retrieval", "0-512", "all"))
@@ -243,15 +244,24 @@ def test_collect_long_context_merges_seeds(trained, corpus_dir, prose_dir, tmp_p
         assert (out_dir / f"{name}.png").read_bytes()[:8] == PNG
     # Two runs of one cell (one seed) pool their trials in the table.
     assert collect_long_context.main(["--needles", str(needles), str(needles), "--out_dir", str(tmp_path / "pooled")]) == 0
-    assert f"| single | en | exact | bounds | 300 | {accuracy:.2f} (4) |" in capsys.readouterr().out
+    assert f"| single | en | exact | bounds, top 2 | 300 | {accuracy:.2f} (4) |" in capsys.readouterr().out
+    # A collected file folds into a new collection as it is: its sources, rows and trials come first.
+    assert collect_long_context.main(["--needles", str(out_dir / "needles.json"), str(needles), "--perplexity",
+                                      str(out_dir / "perplexity.json"), "--out_dir", str(tmp_path / "folded")]) == 0
+    folded = json.loads((tmp_path / "folded" / "needles.json").read_text())
+    assert folded["sources"] == collected["sources"] + collected["sources"][:1]
+    assert folded["rows"] == collected["rows"] + collected["rows"][:1] and len(folded["trials"]) == 6
+    folded_losses = json.loads((tmp_path / "folded" / "perplexity.json").read_text())
+    assert folded_losses == json.loads((out_dir / "perplexity.json").read_text())
 
 
 def test_collect_long_context_labels_hnsw_over_keys_with_its_search_settings():
-    """Runs of HNSW over keys with different search settings are separate cells; exact rows of the
-    same run, and HNSW over bounds summaries, carry no search settings."""
-    def run(summary, keys_per_head):
+    """Runs of HNSW over keys with different search settings, or with a top_n other than the
+    default, are separate cells; exact rows of the same run, and HNSW over bounds summaries, carry
+    no search settings."""
+    def run(summary, keys_per_head, top_n=4):
         config = {"attn": "ann", "load": "m", "ann_block_summary": summary, "hnsw_keys_per_head": keys_per_head,
-                  "hnsw_ef_search": keys_per_head}
+                  "hnsw_ef_search": keys_per_head, "ann_top_n": top_n}
         rows = [{"retrieval": retrieval, "selection": f"{summary}, layers 1"} for retrieval in ("exact", "hnsw")]
         return collect_long_context.labelled({"config": config, "rows": rows, "trials": []})["rows"]
 
@@ -259,6 +269,9 @@ def test_collect_long_context_labels_hnsw_over_keys_with_its_search_settings():
         "keys, layers 1", "keys, layers 1; 32 keys per head, efSearch 32"]
     assert run("keys", 64)[1]["selection"] == "keys, layers 1; 64 keys per head, efSearch 64"
     assert [row["selection"] for row in run("bounds", 64)] == ["bounds, layers 1"] * 2
+    # A top_n other than the config default (4) is a setting of its own.
+    assert [row["selection"] for row in run("keys", 32, top_n=2)] == [
+        "keys, layers 1, top 2", "keys, layers 1, top 2; 32 keys per head, efSearch 32"]
 
 
 @pytest.mark.parametrize("content, message", [
@@ -345,6 +358,25 @@ def test_probe_selection_ranks_the_needle_block_per_layer(trained, corpus_dir, t
             assert row[f"{ranking}_median_rank"] == row["max_logit_median_rank"]
             assert row[f"{ranking}_in_top_n"] == row["max_logit_in_top_n"]
         assert row["hnsw_build_seconds"] > 0
+
+
+def test_probe_selection_answer_mode_probes_every_answer_token(trained, corpus_dir, tmp_path, capsys):
+    """--answer: a row per (layer, answer token), labelled in answer order (English answers open with
+    a space token, Chinese ones with the first digit), with the teacher-forced probability of the
+    token and how often it was the most likely one."""
+    json_path = tmp_path / "answer.json"
+    assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2",
+                                 "--answer", "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("p_correct per answer token") == 4 and "best-key rank of the copied block" in out
+    result = json.loads(json_path.read_text())
+    assert result["config"]["answer"] is True and json_path.with_suffix(".png").read_bytes()[:8] == PNG
+    for lang, first in (("en", "lead"), ("zh", "d1")):
+        labels = [row["answer_token"] for row in result["rows"] if row["lang"] == lang]
+        assert labels[0] == first and labels[-1] == "end" and {"d1", "d2", "d3", "d4", "d5"} <= set(labels)
+    for row in result["rows"]:
+        assert 0.0 <= row["p_correct"] <= 1.0 and row["argmax"] in (0.0, 0.5, 1.0) and 1 <= row["trials"] <= 2
+        assert 1 <= row["max_logit_median_rank"] <= row["candidates"]
 
 
 def test_probe_selection_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):

@@ -6,8 +6,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from evaluation.selection import block_scores, bounds_must_score, hnsw_key_scores, target_ranks, value_position
-from model import MiniMindConfig
+from evaluation.selection import (block_scores, bounds_must_score, copy_targets, hnsw_key_scores, target_ranks,
+                                  teacher_forced, value_position)
+from model import MiniMindConfig, MiniMindForCausalLM
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "model" / "tokenizer_prose"
 
@@ -58,6 +59,47 @@ def test_value_position_finds_the_numbers_first_token():
         assert tokenizer.decode(ids[start:]).strip().startswith(str(value))
         assert not tokenizer.decode(ids[:start]).strip().endswith(str(value)[0])
         assert value_position(tokenizer, ids, 1234567) is None
+
+
+def test_copy_targets_point_each_answer_token_at_the_digit_it_copies():
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    english = tokenizer(" 4821937.", add_special_tokens=False).input_ids  # ' ', seven digits, '.'
+    assert copy_targets(tokenizer, english, 50) == [("lead", 50)] + [(f"d{i + 1}", 50 + i) for i in range(7)] + [("end", 56)]
+    chinese = tokenizer("95512。", add_special_tokens=False).input_ids
+    assert copy_targets(tokenizer, chinese, 9) == [(f"d{i + 1}", 9 + i) for i in range(5)] + [("end", 13)]
+    for text in ("no number.", " 12 and 34."):
+        try:
+            copy_targets(tokenizer, tokenizer(text, add_special_tokens=False).input_ids, 0)
+        except ValueError as error:
+            assert "does not spell one number a digit per token" in str(error)
+        else:
+            raise AssertionError(f"{text!r} was accepted")
+
+
+def test_teacher_forced_probabilities_equal_decoding_token_by_token():
+    """The answer's probabilities from a chunked prefill and one teacher-forced call equal those of a
+    whole prefill and feeding the answer one token at a time (float64 weights; the probabilities
+    come back as float32), with blocks retrieved along the way."""
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=256, max_position_embeddings=256, attn_impl="ann", ann_window=8, ann_block_size=4,
+                            ann_top_n=2, ann_block_summary="keys")
+    model = MiniMindForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.normal_(std=0.3)
+    # No token twice: capped keys are stored unrotated, so a repeated token's blocks would tie in layer 0.
+    tokens = torch.randperm(256)[:76].tolist()
+    prompt, answer = tokens[:70], tokens[70:]
+    probabilities, best = teacher_forced(model, prompt, answer, chunk=32)
+    cache = model.new_cache()
+    with torch.inference_mode():
+        logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]]
+        logits += [model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1] for token in answer[:-1]]
+    expected = torch.stack(logits).softmax(dim=-1)[torch.arange(6), torch.tensor(answer)]
+    assert torch.allclose(probabilities.double(), expected, rtol=1e-6, atol=1e-9)
+    assert best.tolist() == (torch.stack(logits).argmax(dim=-1) == torch.tensor(answer)).tolist()
 
 
 def test_hnsw_key_scores_equal_the_best_keys_when_every_key_is_found():
