@@ -56,14 +56,17 @@ HNSW_OVERRIDES = {
 
 def add_attention_overrides(parser):
     """Selection settings, which change no weights, so an ANN model may be evaluated with others than
-    it was trained with: --block_summary, --top_n, --retrieval_layers and the HNSW settings, named as the
-    trainers name them."""
+    it was trained with: --block_summary, --top_n, --retrieval_layers, --logn_length and the HNSW
+    settings, named as the trainers name them."""
     parser.add_argument("--block_summary", choices=BLOCK_SUMMARIES, default=None,
                         help="how blocks are scored for retrieval (default: the model's)")
     parser.add_argument("--top_n", type=int, default=None, help="blocks each query retrieves (default: the model's)")
     parser.add_argument("--retrieval_layers", type=int, nargs="*", default=None,
                         help="the decoder layers that retrieve; the others attend to their window only "
                              "(default: the model's)")
+    parser.add_argument("--logn_length", type=int, default=None,
+                        help="scale a retrieving layer's queries beyond this position by ln(t+1)/ln(L) (log-n "
+                             "attention, usually the training length; default: the model's)")
     for name, what in HNSW_OVERRIDES.items():
         parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: the model's)")
 
@@ -72,6 +75,7 @@ def attention_overrides(args):
     """{config name: value} of the add_attention_overrides options given."""
     named = {"ann_block_summary": args.block_summary, "ann_top_n": args.top_n,
              "ann_retrieval_layers": args.retrieval_layers,
+             "ann_logn_length": args.logn_length,
              **{name: getattr(args, name) for name in HNSW_OVERRIDES}}
     return {name: value for name, value in named.items() if value is not None}
 

@@ -21,6 +21,10 @@ Definition (one semantics for training, prefill and decoding). Block j holds pos
                       "mean", (sum of the group's queries) . (mean key of block j);
     attended keys:    the window plus the selected blocks' positions <= t-W, under one softmax per
                       query head. No key counts twice, and missing candidates are just missing.
+    log-n scaling:    with ann_logn_length L, a retrieving layer's query at t >= L is multiplied by
+                      ln(t+1)/ln(L) before all of this (logn_scale): its attention is sharper
+                      where its blocks are the best of more candidates than training showed.
+                      Selection scores are linear in the query, so the blocks chosen do not change.
     positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
                       keys, with ann_block_position "capped" (the default), all sit at the distance
                       W + (t mod W): just beyond the window, inside the distances training covers at
@@ -89,6 +93,12 @@ def query_spans(starts, ends, batch, length, device):
     ends = first + length if ends is None else ends
     host_first, host_ends = torch.stack([first, ends.to(first.dtype)]).tolist()
     return QuerySpans(first, ends, tuple(host_first), tuple(host_ends))
+
+
+def logn_scale(positions, length):
+    """positions (b, s) -> (b, s) float: max(1, ln(t + 1) / ln(length)), the log-n attention factor
+    of a query at position t (1 up to position length - 1)."""
+    return (positions + 1).double().log().div(math.log(length)).clamp(min=1.0)
 
 
 def candidate_limits(positions, ends, window, block_size):
@@ -452,6 +462,7 @@ class AnnAttention:
         self.window = config.ann_window
         self.block_size = config.ann_block_size
         self.top_n = config.layer_top_n(layer)
+        self.logn_length = config.ann_logn_length if self.top_n else None
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.config = config
@@ -485,6 +496,8 @@ class AnnAttention:
         """
         b, h, s, d = q.shape
         spans = query_spans(starts, ends, b, s, q.device) if spans is None else spans
+        if self.logn_length and max(spans.host_first) + s > self.logn_length:
+            q = q * logn_scale(rope.positions, self.logn_length).to(q.dtype)[:, None, :, None]
         k = self.stored_frame(k, rope)
         if layer_cache is None:
             keys, values = k, v

@@ -50,6 +50,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_block_summary="bounds",
         ann_auto_threshold=16384,
         ann_retrieval_layers=None,
+        ann_logn_length=None,
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
@@ -87,6 +88,10 @@ class MiniMindConfig(PretrainedConfig):
         self.ann_retrieval_layers = (
             list(ann_retrieval_layers) if isinstance(ann_retrieval_layers, (list, tuple)) else ann_retrieval_layers
         )
+        # None: off; else a query at position t >= ann_logn_length in a layer that retrieves is scaled
+        # by ln(t + 1) / ln(ann_logn_length), as Qwen's log-n attention: sharper attention where
+        # the retrieved blocks are the best of more candidates than training showed.
+        self.ann_logn_length = ann_logn_length
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
@@ -196,6 +201,9 @@ class MiniMindConfig(PretrainedConfig):
                 f"ann_retrieval_layers must be None or distinct layer indices in 0..num_hidden_layers-1 "
                 f"({self.num_hidden_layers} layers), got {layers!r}"
             )
+        logn = self.ann_logn_length
+        if logn is not None and (not isinstance(logn, int) or isinstance(logn, bool) or logn < 2):
+            problems.append(f"ann_logn_length must be None or an integer >= 2 (a trained length), got {logn!r}")
         for name in ("key_shift", "query_shift"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:

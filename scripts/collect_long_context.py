@@ -58,12 +58,15 @@ def labelled(result):
     blocks: the run's ann_block_summary for an ANN model (a config without one has MiniMindConfig's
     default), None for a dense one. HNSW over keys adds its search settings, which decide what it
     finds ("keys, layers 1; 32 keys per head, efSearch 32"), and a top_n other than the config
-    default is named too ("keys, layers 1, top 2; ..."), so runs that differ there are not pooled."""
+    default and log-n scaling are named too ("keys, layers 1, top 2, log-n 512; ..."), so runs that
+    differ there are not pooled."""
     config = result["config"]
     default = MiniMindConfig()
     selection = config.get("ann_block_summary", default.ann_block_summary) if config.get("attn") == "ann" else None
     top_n = config.get("ann_top_n", default.ann_top_n)
-    fewer = f", top {top_n}" if top_n != default.ann_top_n else ""
+    settings = f", top {top_n}" if top_n != default.ann_top_n else ""
+    if config.get("ann_logn_length"):
+        settings += f", log-n {config['ann_logn_length']}"
     search = (f"; {config['hnsw_keys_per_head']} keys per head, efSearch {config['hnsw_ef_search']}"
               if selection == "keys" and "hnsw_keys_per_head" in config else "")
     for part in ("rows", "trials"):
@@ -71,7 +74,7 @@ def labelled(result):
             row.setdefault("model", config.get("load"))
             row.setdefault("selection", selection if row["retrieval"] else None)
             if row["retrieval"]:
-                row["selection"] += fewer
+                row["selection"] += settings
             if row["retrieval"] == "hnsw" and search:
                 row["selection"] += search
     return result

@@ -234,7 +234,7 @@ def main(argv=None):
             "load": str(path), "attn": config.attn_impl, "ann_window": config.ann_window,
             "ann_block_size": config.ann_block_size, "ann_top_n": config.ann_top_n,
             "ann_block_summary": config.ann_block_summary, "ann_retrieval_layers": config.ann_retrieval_layers,
-            "hnsw_m": config.hnsw_m,
+            "ann_logn_length": config.ann_logn_length, "hnsw_m": config.hnsw_m,
             "hnsw_ef_construction": config.hnsw_ef_construction, "hnsw_ef_search": config.hnsw_ef_search,
             "hnsw_keys_per_head": config.hnsw_keys_per_head, "parameters": num_parameters, "data_dir": args.data_dir,
             "lengths": args.lengths, "depths": depths, "tasks": args.tasks, "langs": args.langs,

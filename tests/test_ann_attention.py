@@ -97,7 +97,8 @@ def reference_attention(q, k, v, window, block_size, top_n, block_position="capp
 
 
 def make_core(
-    heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8, block_position="capped", summary="bounds"
+    heads, kv_heads, window, block_size, top_n, retrieval="exact", head_dim=8, block_position="capped", summary="bounds",
+    **overrides,
 ):
     config = MiniMindConfig(
         hidden_size=heads * head_dim,
@@ -111,6 +112,7 @@ def make_core(
         ann_retrieval=retrieval,
         ann_block_position=block_position,
         ann_block_summary=summary,
+        **overrides,
     )
     return AnnAttention(config)
 
@@ -567,3 +569,48 @@ def test_host_reads_per_forward_do_not_grow_with_tiles_or_layers(monkeypatch, ca
         counts[layers, length] = count_host_reads(monkeypatch, forward)
     assert len(set(counts.values())) == 1, counts
     assert max(counts.values()) <= 6, counts
+
+
+def test_logn_scale_is_one_up_to_its_length_then_the_log_ratio():
+    positions = torch.tensor([[0, 510, 511, 1023, 262143]])
+    expected = torch.tensor([[1.0, 1.0, 1.0, 10 / 9, 2.0]], dtype=torch.float64)  # ln(t+1)/ln(512) = log2(t+1)/9
+    torch.testing.assert_close(ann_attention.logn_scale(positions, 512), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("summary", ["bounds", "keys"])
+@pytest.mark.parametrize("block_position", ["capped", "true"])
+def test_logn_length_scales_the_queries_past_it_and_selects_the_same_blocks(summary, block_position):
+    """With ann_logn_length L the core's output equals the plain core's on queries scaled by
+    logn_scale (outputs and gradients, float64): before L nothing changes, and since selection is
+    linear in the query, the blocks each query retrieves stay those of the plain core."""
+    plain = make_core(4, 2, window=8, block_size=4, top_n=2, block_position=block_position, summary=summary)
+    scaled = make_core(4, 2, window=8, block_size=4, top_n=2, block_position=block_position, summary=summary,
+                       ann_logn_length=24)
+    q, k, v = random_qkv(2, 4, 2, 80)
+    factor = ann_attention.logn_scale(torch.arange(80)[None], 24)[:, None, :, None]
+    assert float(factor[0, 0, 23]) == 1.0 and float(factor[0, 0, 79]) > 1.3
+    out = run(scaled, q, k, v)
+    assert_same_outputs_and_gradients(out, run(plain, q * factor, k, v), (q, k, v))
+    torch.testing.assert_close(out[:, :, :24], run(plain, q, k, v)[:, :, :24], atol=1e-12, rtol=0)
+    reference = reference_attention(q * factor, k, v, 8, 4, 2, block_position, summary)
+    torch.testing.assert_close(out, reference, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
+def test_logn_model_full_forward_equals_chunked_prefill_and_decoding(retrieval):
+    """Log-n scaling reads each query's own position: a whole-sequence forward, a chunked prefill
+    and one-token decode steps agree; a layer that does not retrieve is not scaled."""
+    model = ann_model(retrieval, ann_logn_length=32, ann_block_summary="keys", ann_retrieval_layers=[1])
+    assert model.model.layers[1].self_attn.core.logn_length == 32
+    assert model.model.layers[0].self_attn.core.logn_length is None
+    input_ids = torch.randint(3, 300, (2, 120))
+    full = model(input_ids).logits
+    cache = model.new_cache()
+    steps = [model(input_ids[:, :50], cache=cache, use_cache=True).logits]
+    steps.append(model(input_ids[:, 50:70], cache=cache, use_cache=True).logits)
+    for position in range(70, 120):
+        steps.append(model(input_ids[:, position : position + 1], cache=cache, use_cache=True).logits)
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-4
+    unscaled = ann_model(retrieval, ann_block_summary="keys", ann_retrieval_layers=[1])(input_ids).logits
+    assert (unscaled[:, :32] - full[:, :32]).abs().max().item() <= 1e-5
+    assert (unscaled[:, 32:] - full[:, 32:]).abs().max().item() > 1e-3

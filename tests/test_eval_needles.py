@@ -395,9 +395,10 @@ def test_selection_overrides_reach_the_evaluated_model(trained, corpus_dir, pros
     assert eval_needles.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--tasks", "single",
                               "--langs", "en", "--trials", "1", "--retrievals", "exact", "hnsw", "--block_summary", "keys",
                               "--top_n", "3", "--hnsw_m", "8", "--hnsw_ef_construction", "24", "--hnsw_ef_search", "20", "--hnsw_keys_per_head", "12",
-                              "--retrieval_layers", "0", "--json", str(json_path)]) == 0
+                              "--retrieval_layers", "0", "--logn_length", "128", "--json", str(json_path)]) == 0
     config = json.loads(json_path.read_text())["config"]
     assert (config["ann_block_summary"], config["ann_top_n"], config["ann_retrieval_layers"]) == ("keys", 3, [0])
+    assert config["ann_logn_length"] == 128
     assert [config[name] for name in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "hnsw_keys_per_head")] == [8, 24, 20, 12]
     result = json.loads(json_path.read_text())
     assert {(row["retrieval"], row["selection"]) for row in result["rows"] + result["trials"]} == {

@@ -65,6 +65,9 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(ann_retrieval_layers=[1, 1]), "distinct layer indices"),
         (dict(ann_retrieval_layers=["1"]), "distinct layer indices"),
         (dict(ann_retrieval_layers=2), "must be None or distinct layer indices"),
+        (dict(ann_logn_length=1), "ann_logn_length must be None or an integer >= 2"),
+        (dict(ann_logn_length=True), "ann_logn_length must be None or an integer >= 2"),
+        (dict(ann_logn_length=512.0), "ann_logn_length must be None or an integer >= 2"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):

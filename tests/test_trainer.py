@@ -136,8 +136,9 @@ def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp
     assert (saved.hnsw_m, saved.hnsw_ef_construction, saved.hnsw_keys_per_head) == (12, 48, 24)
     # Continuing from weights whose wide rows are trained, the hold keeps them as they are (no decay).
     assert run_stage(train_pretrain, tmp_path / "continued", data, *common, "--from_weight", str(tmp_path / "held" / "model"),
-                     "--wide_shift_from_step", "100", "--ann_retrieval_layers", "1") == 0
-    assert MiniMindForCausalLM.from_pretrained(tmp_path / "continued" / "model").config.ann_retrieval_layers == [1]
+                     "--wide_shift_from_step", "100", "--ann_retrieval_layers", "1", "--ann_logn_length", "64") == 0
+    continued = MiniMindForCausalLM.from_pretrained(tmp_path / "continued" / "model").config
+    assert (continued.ann_retrieval_layers, continued.ann_logn_length) == ([1], 64)
     before, after = (MiniMindForCausalLM.from_pretrained(tmp_path / name / "model").state_dict()
                      for name in ("held", "continued"))
     for name, rows in shift_weights(before).items():

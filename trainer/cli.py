@@ -73,6 +73,9 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_retrieval_layers", type=int, nargs="*", default=None,
                    help="the decoder layers that retrieve blocks (default every layer); the others attend to "
                         "their window only")
+    p.add_argument("--ann_logn_length", type=int, default=None,
+                   help="saved with the model: beyond this position a retrieving layer's queries are scaled by "
+                        "ln(t+1)/ln(L) (log-n attention; usually the training length); default off")
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--ann_block_summary", default=None, help="bounds | mean | keys: how a block is scored for retrieval")
@@ -134,6 +137,7 @@ def build_config(args):
         ann_block_size=args.ann_block_size,
         ann_top_n=args.ann_top_n,
         ann_retrieval_layers=args.ann_retrieval_layers,
+        ann_logn_length=args.ann_logn_length,
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
