@@ -362,7 +362,7 @@ def folded_sdpa(q, keys, values, mask):
     r = h // g
     folded_mask = mask[:, :, None].expand(b, g, r, s, t).reshape(b, g, r * s, t)
     out = F.scaled_dot_product_attention(q.reshape(b, g, r * s, d), keys, values, attn_mask=folded_mask)
-    return out.view(b, h, s, d)
+    return out.reshape(b, h, s, d)  # CUDA kernels may return another memory layout than (b, g, r*s, d)
 
 
 def far_positions(query_positions, window):
