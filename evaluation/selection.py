@@ -34,7 +34,8 @@ RANKINGS = ("summary", "max_logit", "mass")
 
 class RecordingCore:
     """Stands in for one layer's attention core and records, in the frame retrieval scores in, its
-    stored keys (b, g, t, d) and per-head queries (b, h, t, d) of every call, in call order."""
+    stored keys (b, g, t, d) and per-head queries (b, h, t, d) of every call, in call order; the
+    queries as the core attends with them (log-n scaled where the layer scales them)."""
 
     def __init__(self, core, kv_heads):
         self.core = core
@@ -45,7 +46,8 @@ class RecordingCore:
         return getattr(self.core, name)
 
     def __call__(self, q, k, v, starts, ends, layer_cache, rope, spans=None):
-        _, block_q = self.core.query_frames(q, rope)
+        scaled = self.core.logn_queries(q, rope.positions, int(rope.positions.max()))
+        _, block_q = self.core.query_frames(scaled, rope)
         self.keys.append(self.core.stored_frame(k, rope).detach().float())
         self.queries.append(block_q.detach().float())
         return self.core(q, k, v, starts, ends, layer_cache, rope, spans)

@@ -496,8 +496,7 @@ class AnnAttention:
         """
         b, h, s, d = q.shape
         spans = query_spans(starts, ends, b, s, q.device) if spans is None else spans
-        if self.logn_length and max(spans.host_first) + s > self.logn_length:
-            q = q * logn_scale(rope.positions, self.logn_length).to(q.dtype)[:, None, :, None]
+        q = self.logn_queries(q, rope.positions, max(spans.host_first) + s - 1)
         k = self.stored_frame(k, rope)
         if layer_cache is None:
             keys, values = k, v
@@ -679,6 +678,13 @@ class AnnAttention:
         if not self.capped:
             return window_q, window_q
         return window_q, (far_rope or self.far_rope(rope))(q)
+
+    def logn_queries(self, q, positions, last_position):
+        """q (b, h, s, d) at positions (b, s), the largest of them last_position (a host int) -> q scaled
+        by logn_scale in a layer that retrieves with ann_logn_length, else q itself."""
+        if self.logn_length is None or last_position < self.logn_length:
+            return q
+        return q * logn_scale(positions, self.logn_length).to(q.dtype)[:, None, :, None]
 
     def stored_frame(self, k, rope):
         """Unrotated k (b, g, s, d) -> the frame the cache stores: unrotated when capped, else rotated."""

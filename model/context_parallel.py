@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .ann_attention import AnnAttention, block_tables, logn_scale
+from .ann_attention import AnnAttention, block_tables
 from .retrieval import ExactRetriever, candidate_count, candidate_scores, selection_queries
 from .rope import Rope
 
@@ -392,8 +392,8 @@ class ShardedAttention:
     def attend(self, q, positions, layer_cache, rope, dst):
         """Unrotated q (1, h, T, d) at positions (1, T) -> (1, h, T, d) on rank dst (None: every rank)."""
         b, h, tile_len, d = q.shape
-        if self.ann.logn_length:
-            q = q * logn_scale(positions, self.ann.logn_length).to(q.dtype)[:, None, :, None]
+        if self.ann.logn_length:  # reads the last position only where queries may be scaled
+            q = self.ann.logn_queries(q, positions, int(positions[0, -1]))
         window_q, block_q = self.ann.query_frames(q * (1.0 / math.sqrt(d)), rope.moved(positions))
         token_major = (b, self.kv_heads, h // self.kv_heads, tile_len, d)
         window_logits, window_values = self.window_part(window_q.view(token_major).transpose(2, 3), positions, layer_cache, rope)

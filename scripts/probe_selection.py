@@ -61,7 +61,8 @@ def parse_args(argv=None):
                    help="also rank as 'keys' selection through HNSW does (the model's HNSW settings; --hnsw_m, "
                         "--hnsw_ef_construction, --hnsw_ef_search, --hnsw_keys_per_head change them)")
     p.add_argument("--answer", action="store_true",
-                   help="teacher-force the answer and probe the query of every answer token (default: only the last prompt token's)")
+                   help="teacher-force the answer and probe the query of every answer token (default: only the last prompt "
+                        "token's); with --hnsw_keys each of them builds graphs of its own, so one costs a build per token")
     p.add_argument("--retrieval", choices=("exact", "hnsw"), default="exact",
                    help="how the model retrieves while it prefills the prompt (the probe scores every candidate itself)")
     add_attention_overrides(p)
@@ -124,17 +125,19 @@ def summary_rows(collected, probabilities, top_n, rankings):
 
 def label_order(label):
     """copy_targets' labels in answer order: lead, d1, d2, ..., end (None: the default probe's one row)."""
-    return {None: 0, "lead": 0, "end": 100}.get(label) if label in (None, "lead", "end") else int(label[1:])
+    if label in (None, "lead"):
+        return 0
+    return float("inf") if label == "end" else int(label[1:])
 
 
 def print_table(rows, top_n, rankings):
     names = " ".join(f"{ranking + ' rank':>15} {'top ' + str(top_n):>7}" for ranking in rankings)
-    answer = "answer_token" in rows[0] if rows else False
-    extra = f" {'token':>5} {'p_correct':>9} {'argmax':>6}" if answer else ""
+    per_token = "answer_token" in rows[0] if rows else False
+    extra = f" {'token':>5} {'p_correct':>9} {'argmax':>6}" if per_token else ""
     print(f"{'length':>7} {'lang':<4} {'layer':>5}{extra} {'trials':>6} {'blocks':>7} {names} {'must score':>10}")
     for row in rows:
         cells = " ".join(f"{row[ranking + '_median_rank']:>15.1f} {row[ranking + '_in_top_n']:>7.2f}" for ranking in rankings)
-        extra = f" {row['answer_token']:>5} {row['p_correct']:>9.3f} {row['argmax']:>6.2f}" if answer else ""
+        extra = f" {row['answer_token']:>5} {row['p_correct']:>9.3f} {row['argmax']:>6.2f}" if per_token else ""
         print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5}{extra} {row['trials']:>6} {row['candidates']:>7.1f} "
               f"{cells} {row['bounds_must_score']:>10.2f}")
 

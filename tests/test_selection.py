@@ -6,9 +6,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from evaluation.selection import (block_scores, bounds_must_score, copy_targets, hnsw_key_scores, target_ranks,
-                                  teacher_forced, value_position)
+from evaluation.selection import (block_scores, bounds_must_score, copy_targets, hnsw_key_scores, prefill,
+                                  record_layers, target_ranks, teacher_forced, value_position)
 from model import MiniMindConfig, MiniMindForCausalLM
+from model.ann_attention import logn_scale
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "model" / "tokenizer_prose"
 
@@ -135,3 +136,22 @@ def test_bounds_must_score_counts_the_blocks_a_pruned_search_cannot_skip():
     tight = torch.cat([torch.full((2, 2), float(j)) for j in range(5)])[None].expand(2, -1, -1).contiguous()
     assert must_score(tight, top_n=1).tolist() == [0.25, 0.25]
     assert must_score(tight, top_n=4) is None  # 4 candidates: nothing to prune
+
+
+def test_recorded_queries_are_those_the_layer_attends_with_log_n_scaling_included():
+    """A layer with ann_logn_length records its queries scaled, as it attends and selects with them:
+    the same weights without it record the same queries, unscaled."""
+    def recorded(**overrides):
+        torch.manual_seed(0)
+        config = MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                vocab_size=64, max_position_embeddings=256, attn_impl="ann", ann_window=8, ann_block_size=4,
+                                ann_top_n=2, **overrides)
+        model = MiniMindForCausalLM(config).eval()
+        recorder = record_layers(model)[0]
+        prefill(model, list(range(3, 43)), chunk=16)
+        return recorder.recorded()[1]
+
+    plain, scaled = recorded(), recorded(ann_logn_length=16)
+    factor = logn_scale(torch.arange(40)[None], 16).float()[:, None, :, None]
+    assert float(factor[0, 0, 15]) == 1.0 and float(factor[0, 0, 39]) > 1.3
+    torch.testing.assert_close(scaled, plain * factor, atol=1e-5, rtol=1e-5)
