@@ -25,6 +25,8 @@ Definition (one semantics for training, prefill and decoding). Block j holds pos
                       ln(t+1)/ln(L) before all of this (logn_scale): its attention is sharper
                       where its blocks are the best of more candidates than training showed.
                       Selection scores are linear in the query, so the blocks chosen do not change.
+    distractors:      with ann_batch_distractors, a training pass reads row i as the sequence [the
+                      complete blocks of the batch's other rows, row i] (with_batch_distractors).
     positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
                       keys, with ann_block_position "capped" (the default), all sit at the distance
                       W + (t mod W): just beyond the window, inside the distances training covers at
@@ -365,6 +367,15 @@ def folded_sdpa(q, keys, values, mask):
     return out.reshape(b, h, s, d)  # CUDA kernels may return another memory layout than (b, g, r*s, d)
 
 
+def other_rows_blocks(x, block_size):
+    """x (b, g, s, d) -> (b, g, (b-1)*m*B, d): for each row, the m = s // B complete blocks of every
+    other row, in row order (gradients flow back to them)."""
+    b, g, s, d = x.shape
+    length = s // block_size * block_size
+    others = torch.tensor([[j for j in range(b) if j != i] for i in range(b)], device=x.device)
+    return x[:, :, :length][others].permute(0, 2, 1, 3, 4).reshape(b, g, (b - 1) * length, d)
+
+
 def far_positions(query_positions, window):
     """query_positions (b, s) -> (b, s): the distance W + (t mod W) at which capped retrieved keys sit."""
     return window + query_positions % window
@@ -465,6 +476,8 @@ class AnnAttention:
         self.logn_length = config.ann_logn_length if self.top_n else None
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
+        self.batch_distractors = config.ann_batch_distractors
+        self.training = True  # as a new module's; the owning Attention's train() sets it
         self.config = config
         self.frame_table = None  # (rope settings, cos, sin) of the block frame's distances, for decode_step
 
@@ -495,6 +508,8 @@ class AnnAttention:
         that blocks are scored and read in: unrotated when capped, rotated otherwise.
         """
         b, h, s, d = q.shape
+        if self.distracts(q, starts, layer_cache):
+            return self.with_batch_distractors(q, k, v, rope)
         spans = query_spans(starts, ends, b, s, q.device) if spans is None else spans
         q = self.logn_queries(q, rope.positions, max(spans.host_first) + s - 1)
         k = self.stored_frame(k, rope)
@@ -526,6 +541,38 @@ class AnnAttention:
         if layer_cache is not None and decodes_one_position(spans, s):
             return self.decode_step(q, keys, values, spans, layer_cache, summaries, rope)
         return self.tiled(q, keys, values, spans, retriever, summaries, rope)
+
+    def distracts(self, q, starts, layer_cache):
+        """True for a training pass (training mode, no cache, from position 0) of a retrieving layer
+        with ann_batch_distractors, over a batch of rows long enough to hold a block."""
+        b, _, s, _ = q.shape
+        return (
+            self.batch_distractors and self.training and bool(self.top_n) and starts is None
+            and layer_cache is None and b > 1 and s >= self.block_size
+        )
+
+    def with_batch_distractors(self, q, k, v, rope):
+        """A training pass in which each row follows the complete blocks of the batch's other rows:
+        its queries select among those (b-1)*m blocks as well as their own candidates, attend to
+        what they select, and send gradients to the other rows' keys and values. Training at s tokens
+        then shows a query the best of about b*s/B candidates instead of s/B, nearer what a long
+        prompt shows (Focused Transformer's cross-batch training, Tworkowski et al., 2023).
+
+        Capped keys have no distance from the query, so a foreign block reads as an own far block
+        does. The first W-1 queries of a row also see the others' last keys in their windows, as the
+        first tokens of a document in a long prompt see the text before it.
+        q (b, h, s, d), k/v (b, g, s, d) unrotated -> out (b, h, s, d).
+        """
+        b, _, s, _ = q.shape
+        prefix_keys, prefix_values = other_rows_blocks(k, self.block_size), other_rows_blocks(v, self.block_size)
+        offset = prefix_keys.shape[2]
+        keys, values = torch.cat([prefix_keys, k], dim=2), torch.cat([prefix_values, v], dim=2)
+        rope = rope.moved(rope.positions + offset)
+        q = self.logn_queries(q, rope.positions, offset + s - 1)
+        first = torch.full((b,), offset, dtype=torch.long, device=q.device)
+        spans = QuerySpans(first, first + s, (offset,) * b, (offset + s,) * b)
+        summaries = block_summaries(keys, 0, keys.shape[2] // self.block_size, self.block_size, self.summary)
+        return self.tiled(q, keys, values, spans, self.new_retriever(), summaries, rope)
 
     def decode_step(self, q, keys, values, spans, layer_cache, summaries, rope):
         """One new query per row, every row at the same position t >= W (decodes_one_position, not

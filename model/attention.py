@@ -57,6 +57,11 @@ class Attention(nn.Module):
         out = self.core(q, k, v, starts, ends, layer_cache, rope, spans)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
+    def train(self, mode=True):
+        """Train or evaluation mode, for the core too: ANN's cross-batch distractors are training's only."""
+        self.core.training = mode
+        return super().train(mode)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         split_old_key_shift(state_dict, prefix + "k_shift")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -51,6 +51,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_auto_threshold=16384,
         ann_retrieval_layers=None,
         ann_logn_length=None,
+        ann_batch_distractors=False,
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
@@ -92,6 +93,11 @@ class MiniMindConfig(PretrainedConfig):
         # by ln(t + 1) / ln(ann_logn_length), as Qwen's log-n attention: sharper attention where
         # the retrieved blocks are the best of more candidates than training showed.
         self.ann_logn_length = ann_logn_length
+        # Training only: a retrieving layer's queries also select among the complete blocks of the
+        # batch's other rows, as though each row followed their text (Focused Transformer's
+        # cross-batch training), so the copy learns to win against far more candidates than its own
+        # sequence holds (model/ann_attention.py, AnnAttention.with_batch_distractors).
+        self.ann_batch_distractors = ann_batch_distractors
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
@@ -204,6 +210,13 @@ class MiniMindConfig(PretrainedConfig):
         logn = self.ann_logn_length
         if logn is not None and (not isinstance(logn, int) or isinstance(logn, bool) or logn < 2):
             problems.append(f"ann_logn_length must be None or an integer >= 2 (a trained length), got {logn!r}")
+        if not isinstance(self.ann_batch_distractors, bool):
+            problems.append(f"ann_batch_distractors must be true or false, got {self.ann_batch_distractors!r}")
+        elif self.ann_batch_distractors and self.ann_block_position != "capped":
+            problems.append(
+                "ann_batch_distractors needs ann_block_position 'capped': another row's blocks have no true "
+                "distance to a query"
+            )
         for name in ("key_shift", "query_shift"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:

@@ -208,7 +208,8 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
     seed = training_seed(path)
     selection = {"ann_top_n": model.config.ann_top_n, "ann_block_summary": model.config.ann_block_summary,
-                 "ann_retrieval_layers": model.config.ann_retrieval_layers, "ann_logn_length": model.config.ann_logn_length}
+                 "ann_retrieval_layers": model.config.ann_retrieval_layers, "ann_logn_length": model.config.ann_logn_length,
+                 "ann_batch_distractors": model.config.ann_batch_distractors}
     rows = rows_for(str(path), seed, "retrieval", score_texts(
         tokenizer, args.texts, args.max_tokens, lambda ids: position_losses(model, ids, args.chunk)))
     if args.recent_context:

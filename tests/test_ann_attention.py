@@ -666,3 +666,65 @@ def test_logn_model_full_forward_equals_chunked_prefill_and_decoding(retrieval):
     unscaled = ann_model(retrieval, ann_block_summary="keys", ann_retrieval_layers=[1])(input_ids).logits
     assert (unscaled[:, :32] - full[:, :32]).abs().max().item() <= 1e-5
     assert (unscaled[:, 32:] - full[:, 32:]).abs().max().item() > 1e-3
+
+
+def reference_after_other_rows(q, k, v, window, block_size, top_n, summary, logn_length=None):
+    """Unrotated q (b, h, s, d), k/v (b, g, s, d) -> out (b, h, s, d): row i's queries as the last s of
+    one sequence made of the complete blocks of every other row (in row order) and then row i, by
+    reference_attention (log-n scaled at their positions in that sequence)."""
+    b, h, s, d = q.shape
+    length = s // block_size * block_size
+    rows = []
+    for i in range(b):
+        others = [j for j in range(b) if j != i]
+        prefix_k = torch.cat([k[j, :, :length] for j in others], dim=1)
+        prefix_v = torch.cat([v[j, :, :length] for j in others], dim=1)
+        offset = prefix_k.shape[1]
+        row_q = torch.cat([q.new_zeros(h, offset, d), q[i]], dim=1)[None]
+        if logn_length is not None:
+            row_q = row_q * ann_attention.logn_scale(torch.arange(offset + s)[None], logn_length)[:, None, :, None]
+        out = reference_attention(row_q, torch.cat([prefix_k, k[i]], 1)[None], torch.cat([prefix_v, v[i]], 1)[None],
+                                  window, block_size, top_n, "capped", summary)
+        rows.append(out[:, :, offset:])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("summary", ["bounds", "mean", "keys"])
+@pytest.mark.parametrize("length", [4, 9, 40])
+@pytest.mark.parametrize("heads,batch", [((4, 4), 2), ((4, 2), 3)], ids=["mha-b2", "gqa-b3"])
+@pytest.mark.parametrize("top_n,logn_length", [(1, None), (3, None), (10_000, None), (2, 24)])
+def test_batch_distractors_equal_each_row_after_the_other_rows_blocks(length, heads, batch, summary, top_n, logn_length):
+    """ann_batch_distractors in training: each row's output and every gradient (including those
+    flowing into the other rows' keys and values) equal the reference over the sequence [the other
+    rows' complete blocks, the row] (float64)."""
+    num_heads, kv_heads = heads
+    core = make_core(num_heads, kv_heads, window=8, block_size=4, top_n=top_n, summary=summary,
+                     ann_batch_distractors=True, ann_logn_length=logn_length)
+    q, k, v = random_qkv(batch, num_heads, kv_heads, length, seed=length)
+    out = run(core, q, k, v)
+    expected = reference_after_other_rows(q, k, v, 8, 4, top_n, summary, logn_length)
+    assert_same_outputs_and_gradients(out, expected, (q, k, v))
+    alone = run(make_core(num_heads, kv_heads, window=8, block_size=4, top_n=top_n, summary=summary), q, k, v)
+    assert (out - alone).abs().max().item() > 1e-3  # the other rows' blocks are taken
+
+
+def test_batch_distractors_act_only_in_a_training_pass_of_a_retrieving_layer():
+    """Evaluation mode, a batch of one, a cached call and a layer that retrieves nothing are the
+    plain model's; in training mode a batch's loss changes, and model.train()/eval() switch it."""
+    model = ann_model(ann_batch_distractors=True, ann_retrieval_layers=[1])
+    cores = [layer.self_attn.core for layer in model.model.layers]
+    assert not any(core.training for core in cores)
+    input_ids = torch.randint(3, 300, (2, 64))
+    window_only = ann_model(ann_retrieval_layers=[1])
+    window_only.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(input_ids).logits, window_only(input_ids).logits, atol=0, rtol=0)
+    model.train()
+    window_only.train()
+    assert all(core.training for core in cores)
+    distracted = model(input_ids).logits
+    assert (distracted - window_only(input_ids).logits).abs().max().item() > 1e-3
+    torch.testing.assert_close(model(input_ids[:1]).logits, window_only(input_ids[:1]).logits, atol=0, rtol=0)
+    assert not cores[0].distracts(torch.zeros(2, 4, 64, 16), None, None)  # layer 0 retrieves nothing
+    assert not cores[1].distracts(torch.zeros(2, 4, 64, 16), torch.zeros(2, dtype=torch.long), None)
+    model.eval()
+    assert not any(core.training for core in cores)

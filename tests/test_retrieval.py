@@ -68,6 +68,8 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(ann_logn_length=1), "ann_logn_length must be None or an integer >= 2"),
         (dict(ann_logn_length=True), "ann_logn_length must be None or an integer >= 2"),
         (dict(ann_logn_length=512.0), "ann_logn_length must be None or an integer >= 2"),
+        (dict(ann_batch_distractors=1), "ann_batch_distractors must be true or false"),
+        (dict(ann_batch_distractors=True, ann_block_position="true"), "ann_batch_distractors needs ann_block_position 'capped'"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):

@@ -136,9 +136,11 @@ def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp
     assert (saved.hnsw_m, saved.hnsw_ef_construction, saved.hnsw_keys_per_head) == (12, 48, 24)
     # Continuing from weights whose wide rows are trained, the hold keeps them as they are (no decay).
     assert run_stage(train_pretrain, tmp_path / "continued", data, *common, "--from_weight", str(tmp_path / "held" / "model"),
-                     "--wide_shift_from_step", "100", "--ann_retrieval_layers", "1", "--ann_logn_length", "64") == 0
+                     "--wide_shift_from_step", "100", "--ann_retrieval_layers", "1", "--ann_logn_length", "64",
+                     "--ann_batch_distractors") == 0
     continued = MiniMindForCausalLM.from_pretrained(tmp_path / "continued" / "model").config
-    assert (continued.ann_retrieval_layers, continued.ann_logn_length) == ([1], 64)
+    assert (continued.ann_retrieval_layers, continued.ann_logn_length, continued.ann_batch_distractors) == ([1], 64, True)
+    assert not MiniMindForCausalLM.from_pretrained(tmp_path / "held" / "model").config.ann_batch_distractors
     before, after = (MiniMindForCausalLM.from_pretrained(tmp_path / name / "model").state_dict()
                      for name in ("held", "continued"))
     for name, rows in shift_weights(before).items():

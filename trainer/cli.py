@@ -76,6 +76,10 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_logn_length", type=int, default=None,
                    help="saved with the model: beyond this position a retrieving layer's queries are scaled by "
                         "ln(t+1)/ln(L) (log-n attention; usually the training length); default off")
+    p.add_argument("--ann_batch_distractors", action="store_true", default=None,
+                   help="training: a retrieving layer's queries also select among the other rows' blocks of the "
+                        "batch (cross-batch distractors), so the copy trains against more candidates than one "
+                        "sequence holds; saved with the model, it changes nothing outside training")
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--ann_block_summary", default=None, help="bounds | mean | keys: how a block is scored for retrieval")
@@ -138,6 +142,7 @@ def build_config(args):
         ann_top_n=args.ann_top_n,
         ann_retrieval_layers=args.ann_retrieval_layers,
         ann_logn_length=args.ann_logn_length,
+        ann_batch_distractors=args.ann_batch_distractors,
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
