@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from .dense_attention import dense_attention
 from .kv_cache import KVBuffer, with_capacity
 from .retrieval import block_summaries, build_retriever, candidate_count, selection_queries
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope_rolled, rolled_sin, rope_cos_sin
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256
@@ -386,7 +386,7 @@ class WindowRing(NamedTuple):
 
     The positions end-W .. end-1 of every row, position p in slot p mod W: keys (b, g, W, d) in the
     frame of capped retrieved keys for the queries of aligned chunk `chunk` (positions chunk*W ..
-    chunk*W + W-1; see AnnAttention.frame_cos_sin), values (b, g, W, d).
+    chunk*W + W-1; see AnnAttention.frame_rotation), values (b, g, W, d).
     """
 
     keys: torch.Tensor
@@ -395,32 +395,53 @@ class WindowRing(NamedTuple):
     chunk: int
 
 
-def fresh_ring(keys, values, position, cos, sin):
-    """keys (unrotated)/values (b, g, t, d) stored up to `position` >= W-1, cos/sin (1, 1, 2W, d) of
-    distances 0 .. 2W-1 -> WindowRing of the window of the query at `position`.
+class FrameRotation(NamedTuple):
+    """RoPE tables (1, 1, 2W, d) of the distances 0 .. 2W-1, in apply_rope_rolled's form: in the frame
+    of capped retrieved keys, a query at t sits at W + t mod W (far_positions) and its window keys
+    within 1 .. 2W-1 (fresh_ring). The query tables carry the softmax scale 1/sqrt(d) as well."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    query_cos: torch.Tensor
+    query_signed_sin: torch.Tensor
+
+
+def frame_rotation(window, head_dim, theta, dtype, device):
+    cos, sin = rope_cos_sin(torch.arange(2 * window, device=device)[None], head_dim, theta, dtype)
+    signed_sin, scale = rolled_sin(sin), 1.0 / math.sqrt(head_dim)
+    return FrameRotation(cos, signed_sin, cos * scale, signed_sin * scale)
+
+
+def fresh_ring(keys, values, position, frame):
+    """keys (unrotated)/values (b, g, t, d) stored up to `position` >= W-1, frame: FrameRotation
+    -> WindowRing of the window of the query at `position`.
 
     In that query's block frame the key at p sits at p - (chunk - 1) * W: offset+1 .. offset+W.
     """
-    window = cos.shape[2] // 2
+    window = frame.cos.shape[2] // 2
     chunk, offset = divmod(position, window)
     low, distances = position - window + 1, slice(offset + 1, offset + 1 + window)
-    rotated = apply_rope(keys[:, :, low : position + 1], cos[:, :, distances], sin[:, :, distances])
+    rotated = apply_rope_rolled(
+        keys[:, :, low : position + 1], frame.cos[:, :, distances], frame.signed_sin[:, :, distances]
+    )
     shift = low % window  # position low goes to slot low mod W
     return WindowRing(rotated.roll(shift, 2), values[:, :, low : position + 1].roll(shift, 2), position + 1, chunk)
 
 
-def advanced_ring(ring, keys, values, position, cos, sin):
+def advanced_ring(ring, keys, values, position, frame):
     """WindowRing (or None) -> the WindowRing of the query at `position` (fresh_ring's arguments).
 
     A ring that holds the window up to position-1 in the same chunk's frame takes the new key into
     the slot of the one that left the window (in place); any other is made afresh.
     """
-    window = cos.shape[2] // 2
+    window = frame.cos.shape[2] // 2
     chunk, offset = divmod(position, window)
     if ring is None or ring.end != position or ring.chunk != chunk:
-        return fresh_ring(keys, values, position, cos, sin)
+        return fresh_ring(keys, values, position, frame)
     slot, distance = slice(offset, offset + 1), slice(window + offset, window + offset + 1)
-    ring.keys[:, :, slot] = apply_rope(keys[:, :, position : position + 1], cos[:, :, distance], sin[:, :, distance])
+    ring.keys[:, :, slot] = apply_rope_rolled(
+        keys[:, :, position : position + 1], frame.cos[:, :, distance], frame.signed_sin[:, :, distance]
+    )
     ring.values[:, :, slot] = values[:, :, position : position + 1]
     return ring._replace(end=position + 1)
 
@@ -479,7 +500,7 @@ class AnnAttention:
         self.batch_distractors = config.ann_batch_distractors
         self.training = True  # as a new module's; the owning Attention's train() sets it
         self.config = config
-        self.frame_table = None  # (rope settings, cos, sin) of the block frame's distances, for decode_step
+        self.frame_table = None  # (rope settings, FrameRotation), for decode_step
 
     def new_retriever(self):
         """The config's retriever; a layer that retrieves nothing keeps no retrieval state (graphs):
@@ -588,24 +609,24 @@ class AnnAttention:
         -> out (b, h, 1, d).
         """
         position = spans.host_first[0]
-        q = q * (1.0 / math.sqrt(q.shape[-1]))
         q, window_keys, window_values = self.decode_window(q, keys, values, position, layer_cache, rope)
         far_keys, far_values, far_visible = self.decode_far(q, keys, values, position, layer_cache, summaries)
         visible = None if far_visible is None else F.pad(far_visible, (self.window, 0), value=True)
         return attend_one(q, torch.cat([window_keys, far_keys], 2), torch.cat([window_values, far_values], 2), visible)
 
     def decode_window(self, q, keys, values, position, layer_cache, rope):
-        """Scaled unrotated q (b, h, 1, d) at `position` -> (q in the block frame, its W window keys
-        in that frame, their values), keys/values (b, g, W, d). Capped, the window is the layer
-        cache's WindowRing, advanced by this step's key; else a slice of the stored (rotated) keys."""
+        """Unrotated q (b, h, 1, d) at `position` -> (q scaled by 1/sqrt(d), in the block frame, its W
+        window keys in that frame, their values), keys/values (b, g, W, d). Capped, the window is the
+        layer cache's WindowRing, advanced by this step's key; else a slice of the stored (rotated) keys."""
         window = self.window
         if not self.capped:
             low = position - window + 1
-            return rope(q), keys[:, :, low : position + 1], values[:, :, low : position + 1]
-        cos, sin = self.frame_cos_sin(rope, q.device)
+            return rope(q * (1.0 / math.sqrt(q.shape[-1]))), keys[:, :, low : position + 1], values[:, :, low : position + 1]
+        frame = self.frame_rotation(rope, q.device)
         distance = slice(window + position % window, window + position % window + 1)
-        layer_cache.ring = advanced_ring(layer_cache.ring, keys, values, position, cos, sin)
-        return apply_rope(q, cos[:, :, distance], sin[:, :, distance]), layer_cache.ring.keys, layer_cache.ring.values
+        layer_cache.ring = advanced_ring(layer_cache.ring, keys, values, position, frame)
+        q = apply_rope_rolled(q, frame.query_cos[:, :, distance], frame.query_signed_sin[:, :, distance])
+        return q, layer_cache.ring.keys, layer_cache.ring.values
 
     def decode_far(self, q, keys, values, position, layer_cache, summaries):
         """q (b, h, 1, d) in the block frame -> far keys, values (b, g, F, d) and visible (b, g, F)
@@ -626,15 +647,12 @@ class AnnAttention:
         blocks = block_tables(keys, values, self.block_size).gather_up_to(block_ids, valid, last_far)
         return blocks.keys[:, :, 0], blocks.values[:, :, 0], blocks.visible[:, :, 0]
 
-    def frame_cos_sin(self, rope, device):
-        """cos, sin (1, 1, 2W, d) of the distances 0 .. 2W-1, made once per rope settings: in the frame
-        of capped retrieved keys, a query at t sits at W + t mod W (far_positions) and its window
-        keys within 1 .. 2W-1 (fresh_ring)."""
+    def frame_rotation(self, rope, device):
+        """The FrameRotation of this rope's settings, made once per settings."""
         settings = (rope.head_dim, rope.theta, rope.dtype, device)
         if self.frame_table is None or self.frame_table[0] != settings:
-            distances = torch.arange(2 * self.window, device=device)[None]
-            self.frame_table = (settings, *rope_cos_sin(distances, rope.head_dim, rope.theta, rope.dtype))
-        return self.frame_table[1:]
+            self.frame_table = (settings, frame_rotation(self.window, *settings))
+        return self.frame_table[1]
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its

@@ -9,7 +9,10 @@
 #   2. copy: training prose with copy documents (random words of a stretch of prose, repeated) and
 #      single needles, which carries the copy over to real text;
 #   3. needles: mostly short needle documents over training prose, copy documents kept in the mix,
-#      the two-token key match training from WIDE_SHIFT_FROM.
+#      the two-token key match training from WIDE_SHIFT_FROM;
+#   4. distractors (DISTRACT_STEPS > 0): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
+#      cross-batch distractors (--ann_batch_distractors), so a copy learns to win against the other
+#      rows' blocks; the dense control trains the same steps on the same data.
 # Then both are evaluated: needles in held-out prose (scripts/eval_needles.py) and held-out loss by
 # position (scripts/eval_perplexity.py), collected in $OUT/results (scripts/collect_long_context.py).
 #
@@ -25,7 +28,7 @@
 # not the recipe's.
 #
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
-# NEEDLE_STEPS (1200), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
+# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), DISTRACT_LAYERS ("1"), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
 # BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
@@ -39,6 +42,8 @@ SEED=${SEED:-1}
 INDUCTION_STEPS=${INDUCTION_STEPS:-800}
 COPY_STEPS=${COPY_STEPS:-600}
 NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
+DISTRACT_STEPS=${DISTRACT_STEPS:-0}
+DISTRACT_LAYERS=${DISTRACT_LAYERS:-1}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
 WIDE_SHIFT_LR_SCALE=${WIDE_SHIFT_LR_SCALE:-1}
 HIDDEN=${HIDDEN:-128}
@@ -84,13 +89,14 @@ mkdir -p "$OUT"
 hnsw_settings=(--hnsw_ef_search 256)
 [ "$BLOCK_SUMMARY" = keys ] && hnsw_settings=(--hnsw_m 16 --hnsw_ef_construction 64 --hnsw_ef_search 64)
 
-trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from
+trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from,
+    # then extra trainer flags
     OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --from_weight "$2" --seed "$SEED" --data_path "$3" \
         --out_dir "$4" --tokenizer_path "$TOKENIZER" --wide_shift_from_step "$6" \
         --wide_shift_lr_scale "$WIDE_SHIFT_LR_SCALE" --ann_block_summary "$BLOCK_SUMMARY" "${hnsw_settings[@]}" \
         --max_seq_len "$SEQ_LEN" --batch_size "$BATCH" --accumulation_steps 1 --learning_rate "$LR" \
         --warmup_steps 30 --epochs 100 --max_steps "$5" --max_minutes "$SAFETY_MINUTES" --log_interval 25 \
-        --save_interval 200 > "$4.log" 2>&1 || { echo "training $1 ($4) failed, see $4.log" >&2; return 1; }
+        --save_interval 200 "${@:7}" > "$4.log" 2>&1 || { echo "training $1 ($4) failed, see $4.log" >&2; return 1; }
     last=$(tail -n 1 "$4/metrics.jsonl")
     step=$(python -c 'import json, sys; print(json.loads(sys.argv[1])["step"])' "$last")
     if [ "$step" -lt "$5" ]; then
@@ -113,13 +119,23 @@ train() {  # $1: ann | dense. Everything but the attention is identical in the t
         > "$stages/induction.log" 2>&1 || { echo "stage 1 of $1 failed, see $stages/induction.log" >&2; return 1; }
     echo "stage 1 (induction), last row: $(tail -n 1 "$stages/induction.log")"
     trainer_stage "$1" "$stages/induction" "$PROSE/copy/prose_train.jsonl" "$stages/copy" "$COPY_STEPS" "$COPY_STEPS"
-    trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$NEEDLE_STEPS" \
+    if [ "$DISTRACT_STEPS" -eq 0 ]; then
+        trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$NEEDLE_STEPS" \
+            "$WIDE_SHIFT_FROM"
+        return
+    fi
+    trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$stages/needles" "$NEEDLE_STEPS" \
         "$WIDE_SHIFT_FROM"
+    local distractors=()
+    # shellcheck disable=SC2086  # DISTRACT_LAYERS is a list of words
+    [ "$1" = ann ] && distractors=(--ann_retrieval_layers $DISTRACT_LAYERS --ann_batch_distractors)
+    trainer_stage "$1" "$stages/needles/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$DISTRACT_STEPS" \
+        0 "${distractors[@]}"
 }
 
 # shellcheck disable=SC2086  # ATTNS is a list of words
 for attn in $ATTNS; do
-    echo "training the $attn model: $INDUCTION_STEPS + $COPY_STEPS + $NEEDLE_STEPS steps"
+    echo "training the $attn model: $INDUCTION_STEPS + $COPY_STEPS + $NEEDLE_STEPS + $DISTRACT_STEPS steps"
     train "$attn"
 done
 

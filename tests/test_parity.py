@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from model.rope import Rope, rope_cos_sin
+from model.rope import Rope, apply_rope, apply_rope_rolled, rolled_sin, rope_cos_sin
 
 TOLERANCE = 1e-4
 
@@ -64,6 +64,21 @@ def test_rmsnorm_rope_mlp(pair):
     cos, sin = rope_cos_sin(positions, ours.config.head_dim, ours.config.rope_theta, torch.float32)
     ref_cos, ref_sin = reference.model.rotary_emb(x, positions)
     assert max_diff(cos[:, 0], ref_cos) <= TOLERANCE and max_diff(sin[:, 0], ref_sin) <= TOLERANCE
+
+
+@pytest.mark.parametrize("head_dim", [2, 16, 64])
+def test_rolled_rope_equals_llamas_rotation(head_dim):
+    """The decode path's three-kernel rotation (apply_rope_rolled) against transformers' own."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 9, head_dim), torch.randn(2, 2, 9, head_dim)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [100, 7, 3, 5000, 1, 2, 64, 65, 9]])
+    cos, sin = rope_cos_sin(positions, head_dim, 1e4, torch.float32)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0])
+    assert max_diff(apply_rope_rolled(q, cos, rolled_sin(sin)), ref_q) <= TOLERANCE
+    assert max_diff(apply_rope_rolled(k, cos, rolled_sin(sin)), ref_k) <= TOLERANCE
+    assert max_diff(apply_rope(k, cos, sin), ref_k) <= TOLERANCE
 
 
 def test_attention_and_block(pair):
