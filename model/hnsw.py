@@ -72,6 +72,7 @@ class MipsHnsw:
         self.links = np.zeros((0, 2 * m), dtype=np.int32)  # node -> its level-0 neighbours, as the index holds them
         self.in_degree = np.zeros(0, dtype=np.int64)  # node -> level-0 lists holding it
         self.unlinked = set()  # nodes of in-degree 0, kept per insertion: a scan per search is O(nodes)
+        self.orphan_table = None  # (orphan nodes, their vectors) until the next insertion: many searches read it
         self.radius = 0.0
         self.index = None
         self.duplicate_search = faiss.SearchParametersHNSW()
@@ -149,6 +150,7 @@ class MipsHnsw:
         self.links[:] = -1
         self.in_degree[:] = 0
         self.unlinked.clear()
+        self.orphan_table = None
         for node in range(self.node_count):
             self._link(node, self._augment(self.vectors[self.node_rows[node]][None]))
 
@@ -184,10 +186,15 @@ class MipsHnsw:
         is_unlinked = self.in_degree[touched] == 0
         self.unlinked.update(touched[is_unlinked].tolist())
         self.unlinked.difference_update(touched[~is_unlinked].tolist())
+        self.orphan_table = None
 
     def orphans(self):
-        """Graph nodes that no node's level-0 neighbour list holds, except the entry point."""
-        return np.array(sorted(self.unlinked - {self.hnsw.entry_point}), dtype=np.int64)
+        """(nodes, vectors (len(nodes), d)): the graph nodes that no node's level-0 neighbour list
+        holds, except the entry point, in node order, and their vectors."""
+        if self.orphan_table is None:
+            nodes = np.array(sorted(self.unlinked - {self.hnsw.entry_point}), dtype=np.int64)
+            self.orphan_table = (nodes, self.vectors[self.node_rows[nodes]])
+        return self.orphan_table
 
     def search(self, queries, k):
         """queries (s, d) -> labels (s, k) int64: insertion positions of the vectors with the
@@ -198,9 +205,9 @@ class MipsHnsw:
             return np.full((len(queries), 0), -1, dtype=np.int64)
         augmented = np.concatenate([queries, np.zeros((len(queries), 1), dtype=np.float32)], axis=1)
         distances, nodes = self.index.search(augmented, min(k, self.node_count))
-        orphans = self.orphans()
+        orphans, orphan_vectors = self.orphans()
         if len(orphans):
-            nodes = self._with_orphans(queries, distances, nodes, orphans, k)
+            nodes = self._with_orphans(queries, distances, nodes, orphans, orphan_vectors, k)
         firsts = np.where(nodes >= 0, self.node_rows[np.maximum(nodes, 0)], -1)
         if self.node_count == self.count:  # no merged duplicates: each node is one vector
             return firsts
@@ -218,11 +225,11 @@ class MipsHnsw:
         labels[expand] = np.take_along_axis(candidates, order, axis=1)
         return labels
 
-    def _with_orphans(self, queries, distances, nodes, orphans, k):
+    def _with_orphans(self, queries, distances, nodes, orphans, orphan_vectors, k):
         """The graph's nodes (s, k') and their distances, plus the orphans -> the best k nodes (s, k)."""
         # |q - x'|^2 = |q|^2 + R^2 - 2 q.x for a lifted x', so the graph's distances give its inner products.
         found_scores = ((queries**2).sum(axis=1, keepdims=True) + self.radius**2 - distances) / 2
-        orphan_scores = queries @ self.vectors[self.node_rows[orphans]].T
+        orphan_scores = queries @ orphan_vectors.T
         orphan_scores[(nodes[:, :, None] == orphans).any(axis=1)] = -np.inf  # the graph found it too
         nodes = np.concatenate([nodes, np.broadcast_to(orphans, orphan_scores.shape)], axis=1)
         scores = np.concatenate([found_scores, orphan_scores], axis=1)

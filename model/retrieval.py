@@ -37,6 +37,8 @@ Every retriever is causal: a query's blocks depend only on the blocks that are c
 so neither later tokens nor the way a prefill is split into calls change them.
 """
 
+from functools import lru_cache
+
 import torch
 
 from .hnsw import HnswRetriever, KeyHnswRetriever
@@ -64,7 +66,17 @@ def selection_queries(q, kv_heads, summary):
         return grouped.transpose(2, 3)
     if summary == "mean":
         return grouped.sum(dim=2)
-    return torch.cat([grouped.clamp(min=0).sum(dim=2), grouped.clamp(max=0).sum(dim=2)], dim=-1)
+    low, high = split_limits(d, q.dtype, q.device)
+    return torch.cat([grouped, grouped], dim=-1).clamp_(min=low, max=high).sum(dim=2)
+
+
+@lru_cache(maxsize=None)
+def split_limits(head_dim, dtype, device):
+    """Clamp limits (2d,) that turn [q, q] into [max(q, 0), min(q, 0)] in one kernel: the bounds
+    selection vector costs three kernels instead of five (a decoding step's selection is that small)."""
+    inf = torch.full((head_dim,), float("inf"), dtype=dtype, device=device)
+    zero = torch.zeros(head_dim, dtype=dtype, device=device)
+    return torch.cat([zero, -inf]), torch.cat([inf, zero])
 
 
 def block_summaries(keys, first_block, end_block, block_size, summary):

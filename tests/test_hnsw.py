@@ -92,7 +92,7 @@ def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
     best = int(np.argmax(vectors @ query))
     graph = MipsHnsw(16, 8, 40, 64)
     graph.add(vectors)
-    assert len(graph.orphans()) == 0 and graph.search(query[None], 1)[0, 0] == best
+    assert len(graph.orphans()[0]) == 0 and graph.search(query[None], 1)[0, 0] == best
     hnsw = graph.index.hnsw
     neighbors = faiss.vector_to_array(hnsw.neighbors)
     neighbors[neighbors == best] = -1  # the node of `best` is itself: no duplicates in these vectors
@@ -100,7 +100,7 @@ def test_hnsw_scores_graph_nodes_that_no_edge_reaches():
     if hnsw.entry_point == best:
         hnsw.entry_point = int(np.argmin(vectors @ query))
     graph.reread_links(np.arange(graph.node_count))
-    assert graph.orphans().tolist() == [best]
+    assert graph.orphans()[0].tolist() == [best]
     _, graph_only = graph.index.search(np.concatenate([query, [0.0]])[None].astype(np.float32), 4)
     assert best not in graph_only[0]
     some_queries = queries[0, 0].numpy()
@@ -165,7 +165,25 @@ def test_in_degrees_kept_per_insertion_match_a_scan_of_the_whole_graph():
     in_degree = np.bincount(linked[linked >= 0], minlength=len(starts))
     assert np.array_equal(graph.in_degree[: graph.node_count], in_degree)
     expected_orphans = np.flatnonzero(in_degree == 0)
-    assert graph.orphans().tolist() == expected_orphans[expected_orphans != hnsw.entry_point].tolist()
+    assert graph.orphans()[0].tolist() == expected_orphans[expected_orphans != hnsw.entry_point].tolist()
+
+
+def test_orphans_kept_between_insertions_follow_each_insertion():
+    """orphans() is kept from one search to the next and made afresh after an insertion."""
+    import faiss
+
+    graph = MipsHnsw(16, 4, 16, 16)
+    vectors = growing_vectors(900)
+    for part in np.split(vectors, [300, 301, 600]):
+        graph.add(part)
+        nodes, orphan_vectors = graph.orphans()
+        assert graph.orphans()[0] is nodes  # kept while nothing was inserted
+        hnsw = graph.index.hnsw
+        starts = faiss.vector_to_array(hnsw.offsets)[:-1].astype(np.int64)
+        linked = faiss.vector_to_array(hnsw.neighbors)[starts[:, None] + np.arange(hnsw.nb_neighbors(0))]
+        unlinked = np.flatnonzero(np.bincount(linked[linked >= 0], minlength=len(starts)) == 0)
+        assert nodes.tolist() == unlinked[unlinked != hnsw.entry_point].tolist()
+        assert np.array_equal(orphan_vectors, graph.vectors[graph.node_rows[nodes]])
 
 
 def test_hnsw_answer_depends_only_on_the_query_candidates():

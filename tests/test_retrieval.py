@@ -17,6 +17,25 @@ def test_candidate_count_follows_the_definition():
     assert counts[0].tolist() == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_bounds_score_is_the_sum_over_heads_of_each_heads_bound(dtype):
+    """[sum of max(q, 0), sum of min(q, 0)] . [max key, min key] = sum over the group's heads and
+    channels of max(q_c * max_c, q_c * min_c): at least each head's best q . k in the block."""
+    torch.manual_seed(0)
+    b, g, r, s, d, block = 2, 2, 3, 5, 8, 4
+    q = torch.randn(b, g * r, s, d, dtype=torch.float64)
+    keys = torch.randn(b, g, 3 * block, d, dtype=torch.float64)
+    summaries = retrieval.block_summaries(keys, 0, 3, block, "bounds")
+    grouped = q.view(b, g, r, s, d)
+    expected = torch.cat([grouped.clamp(min=0).sum(dim=2), grouped.clamp(max=0).sum(dim=2)], dim=-1)
+    selecting = retrieval.selection_queries(q.to(dtype), g, "bounds")
+    assert selecting.dtype == dtype and selecting.shape == (b, g, s, 2 * d)
+    torch.testing.assert_close(selecting.double(), expected.to(dtype).double(), rtol=1e-2, atol=1e-2)
+    scores = retrieval.selection_queries(q, g, "bounds") @ summaries.transpose(-1, -2)  # (b, g, s, m)
+    per_key = torch.einsum("bgrsd,bgtd->bgrst", grouped, keys).view(b, g, r, s, 3, block)
+    assert (scores >= per_key.amax(dim=-1).sum(dim=2) - 1e-9).all()
+
+
 def test_exact_select_uses_only_real_candidates():
     queries, summaries = structured_summaries(10)
     limits = torch.tensor([[0, 1, 2, 10] * 16])
