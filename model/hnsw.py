@@ -230,6 +230,8 @@ class MipsHnsw:
         # |q - x'|^2 = |q|^2 + R^2 - 2 q.x for a lifted x', so the graph's distances give its inner products.
         found_scores = ((queries**2).sum(axis=1, keepdims=True) + self.radius**2 - distances) / 2
         orphan_scores = queries @ orphan_vectors.T
+        if nodes.shape[1] == k and (nodes >= 0).all() and (orphan_scores.max(axis=1) <= found_scores[:, -1]).all():
+            return nodes  # no orphan beats the graph's k-th: the merge below would keep the graph's answer
         orphan_scores[(nodes[:, :, None] == orphans).any(axis=1)] = -np.inf  # the graph found it too
         nodes = np.concatenate([nodes, np.broadcast_to(orphans, orphan_scores.shape)], axis=1)
         scores = np.concatenate([found_scores, orphan_scores], axis=1)

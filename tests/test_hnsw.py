@@ -304,3 +304,28 @@ def test_heads_served_on_threads_give_the_one_threaded_answer(monkeypatch, keys)
     assert served == [(3,)]
     for got, expected in zip(threaded, alone):
         assert torch.equal(got, expected)
+
+
+def test_search_is_the_graphs_nodes_and_the_orphans_ranked_by_inner_product():
+    """Whether or not an orphan enters a row's answer, the answer is the best k of the graph's own
+    nodes and the orphans by inner product (a brute-force merge over the same candidates)."""
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((700, 16)).astype(np.float32)
+    graph = MipsHnsw(16, 4, 16, 16)  # small M: orphans appear
+    graph.add(vectors)
+    orphans, _ = graph.orphans()
+    assert len(orphans) and graph.node_count == graph.count
+    queries = rng.standard_normal((300, 16)).astype(np.float32)
+    queries[:100] = vectors[orphans[rng.integers(len(orphans), size=100)]] * 3  # rows an orphan wins
+    k = 4
+    found = graph.search(queries, k)
+    augmented = np.concatenate([queries, np.zeros((len(queries), 1), dtype=np.float32)], axis=1)
+    _, graph_nodes = graph.index.search(augmented, k)
+    took_orphan = 0
+    for row, query in enumerate(queries):
+        candidates = np.union1d(graph_nodes[row][graph_nodes[row] >= 0], orphans)
+        scores = vectors[candidates] @ query
+        best = np.sort(scores)[::-1][:k]
+        np.testing.assert_allclose(np.sort(vectors[found[row]] @ query)[::-1], best, rtol=1e-5, atol=1e-5)
+        took_orphan += bool(np.isin(np.setdiff1d(found[row], graph_nodes[row]), orphans).any())
+    assert took_orphan >= 50
