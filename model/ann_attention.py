@@ -26,7 +26,9 @@ Definition (one semantics for training, prefill and decoding). Block j holds pos
                       where its blocks are the best of more candidates than training showed.
                       Selection scores are linear in the query, so the blocks chosen do not change.
     distractors:      with ann_batch_distractors, a training pass reads row i as the sequence [the
-                      complete blocks of the batch's other rows, row i] (with_batch_distractors).
+                      complete blocks of the batch's other rows, row i] (with_batch_distractors);
+                      with ann_distractor_memory M, [the complete blocks of the last M batches
+                      (detached), those of the other rows, row i] (DistractorMemory).
     positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
                       keys, with ann_block_position "capped" (the default), all sit at the distance
                       W + (t mod W): just beyond the window, inside the distances training covers at
@@ -376,6 +378,42 @@ def other_rows_blocks(x, block_size):
     return x[:, :, :length][others].permute(0, 2, 1, 3, 4).reshape(b, g, (b - 1) * length, d)
 
 
+class DistractorMemory:
+    """One layer's keys and values of the complete blocks of its last `batches` training batches,
+    detached: candidates that a training query selects and attends to as it does the other rows'
+    blocks, but that take no gradient (their weights have moved on since, as in MoCo's queue).
+
+    Held as a list of (keys, values), each (g, b*m*B, d), oldest first; state() / load_state() carry
+    it through a checkpoint so that a resumed run continues exactly.
+    """
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.entries = []
+
+    def blocks(self, rows, like):
+        """-> keys, values (rows, g, P, d): every kept block, oldest first, the same for each row;
+        P = 0 when nothing is kept. like (b, g, s, d) gives dtype, device and g, d."""
+        if not self.entries:
+            empty = like[:1, :, :0].expand(rows, -1, -1, -1)
+            return empty, empty
+        keys, values = (torch.cat(part, dim=1).unsqueeze(0).expand(rows, -1, -1, -1) for part in zip(*self.entries))
+        return keys, values
+
+    def remember(self, k, v, block_size):
+        """Keep the complete blocks of k, v (b, g, s, d), dropping the oldest batch beyond `batches`."""
+        b, g, s, d = k.shape
+        length = s // block_size * block_size
+        flat = [x[:, :, :length].detach().transpose(0, 1).reshape(g, b * length, d) for x in (k, v)]
+        self.entries = (self.entries + [tuple(flat)])[-self.batches :]
+
+    def state(self):
+        return [(keys.cpu(), values.cpu()) for keys, values in self.entries]
+
+    def load_state(self, entries, device):
+        self.entries = [(keys.to(device), values.to(device)) for keys, values in entries][-self.batches :]
+
+
 def far_positions(query_positions, window):
     """query_positions (b, s) -> (b, s): the distance W + (t mod W) at which capped retrieved keys sit."""
     return window + query_positions % window
@@ -498,6 +536,7 @@ class AnnAttention:
         self.capped = config.ann_block_position == "capped"
         self.summary = config.ann_block_summary
         self.batch_distractors = config.ann_batch_distractors
+        self.distractor_memory = DistractorMemory(config.ann_distractor_memory)
         self.training = True  # as a new module's; the owning Attention's train() sets it
         self.config = config
         self.frame_table = None  # (rope settings, FrameRotation), for decode_step
@@ -581,11 +620,16 @@ class AnnAttention:
 
         Capped keys have no distance from the query, so a foreign block reads as an own far block
         does. The first W-1 queries of a row also see the others' last keys in their windows, as the
-        first tokens of a document in a long prompt see the text before it.
+        first tokens of a document in a long prompt see the text before it. With ann_distractor_memory
+        the blocks of earlier batches come first (DistractorMemory), and this batch's are kept.
         q (b, h, s, d), k/v (b, g, s, d) unrotated -> out (b, h, s, d).
         """
         b, _, s, _ = q.shape
-        prefix_keys, prefix_values = other_rows_blocks(k, self.block_size), other_rows_blocks(v, self.block_size)
+        kept_keys, kept_values = self.distractor_memory.blocks(b, k)
+        prefix_keys = torch.cat([kept_keys, other_rows_blocks(k, self.block_size)], dim=2)
+        prefix_values = torch.cat([kept_values, other_rows_blocks(v, self.block_size)], dim=2)
+        if self.distractor_memory.batches:
+            self.distractor_memory.remember(k, v, self.block_size)
         offset = prefix_keys.shape[2]
         keys, values = torch.cat([prefix_keys, k], dim=2), torch.cat([prefix_values, v], dim=2)
         rope = rope.moved(rope.positions + offset)

@@ -52,6 +52,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_retrieval_layers=None,
         ann_logn_length=None,
         ann_batch_distractors=False,
+        ann_distractor_memory=0,
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
@@ -98,6 +99,10 @@ class MiniMindConfig(PretrainedConfig):
         # cross-batch training), so the copy learns to win against far more candidates than its own
         # sequence holds (model/ann_attention.py, AnnAttention.with_batch_distractors).
         self.ann_batch_distractors = ann_batch_distractors
+        # Training only, with ann_batch_distractors: the complete blocks of this many earlier batches
+        # stay (detached) as further candidates, so a query meets thousands of distractor blocks as
+        # in a long prompt, not only the batch's few hundred (AnnAttention.with_batch_distractors).
+        self.ann_distractor_memory = ann_distractor_memory
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
@@ -217,6 +222,11 @@ class MiniMindConfig(PretrainedConfig):
                 "ann_batch_distractors needs ann_block_position 'capped': another row's blocks have no true "
                 "distance to a query"
             )
+        memory = self.ann_distractor_memory
+        if not isinstance(memory, int) or isinstance(memory, bool) or memory < 0:
+            problems.append(f"ann_distractor_memory must be an integer >= 0 (earlier batches kept), got {memory!r}")
+        elif memory and self.ann_batch_distractors is not True:
+            problems.append("ann_distractor_memory needs ann_batch_distractors: the kept blocks are distractors")
         for name in ("key_shift", "query_shift"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:

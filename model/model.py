@@ -168,6 +168,18 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def training_state(self):
+        """What training keeps between steps besides weights and optimizer: each ANN layer's
+        DistractorMemory, by layer index (empty without ann_distractor_memory)."""
+        if self.config.attn_impl != "ann" or not self.config.ann_distractor_memory:
+            return {}
+        return {index: layer.self_attn.core.distractor_memory.state() for index, layer in enumerate(self.model.layers)}
+
+    def load_training_state(self, state):
+        device = self.lm_head.weight.device
+        for index, entries in state.items():
+            self.model.layers[index].self_attn.core.distractor_memory.load_state(entries, device)
+
     def new_cache(self, reserve=0):
         """An empty cache; reserve = expected final length (prompt + new tokens) avoids regrowth."""
         return MiniMindCache([layer.self_attn.core.new_layer_cache(reserve) for layer in self.model.layers])

@@ -12,7 +12,8 @@
 #      the two-token key match training from WIDE_SHIFT_FROM;
 #   4. distractors (DISTRACT_STEPS > 0): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
 #      cross-batch distractors (--ann_batch_distractors), so a copy learns to win against the other
-#      rows' blocks; the dense control trains the same steps on the same data.
+#      rows' blocks (and, with DISTRACT_MEMORY > 0, those of that many earlier batches); the dense
+#      control trains the same steps on the same data.
 # Then both are evaluated: needles in held-out prose (scripts/eval_needles.py) and held-out loss by
 # position (scripts/eval_perplexity.py), collected in $OUT/results (scripts/collect_long_context.py).
 #
@@ -28,7 +29,7 @@
 # not the recipe's.
 #
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
-# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), DISTRACT_LAYERS ("1"), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
+# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
 # BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
@@ -44,6 +45,7 @@ COPY_STEPS=${COPY_STEPS:-600}
 NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
 DISTRACT_STEPS=${DISTRACT_STEPS:-0}
 DISTRACT_LAYERS=${DISTRACT_LAYERS:-1}
+DISTRACT_MEMORY=${DISTRACT_MEMORY:-0}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
 WIDE_SHIFT_LR_SCALE=${WIDE_SHIFT_LR_SCALE:-1}
 HIDDEN=${HIDDEN:-128}
@@ -128,7 +130,8 @@ train() {  # $1: ann | dense. Everything but the attention is identical in the t
         "$WIDE_SHIFT_FROM"
     local distractors=()
     # shellcheck disable=SC2086  # DISTRACT_LAYERS is a list of words
-    [ "$1" = ann ] && distractors=(--ann_retrieval_layers $DISTRACT_LAYERS --ann_batch_distractors)
+    [ "$1" = ann ] && distractors=(--ann_retrieval_layers $DISTRACT_LAYERS --ann_batch_distractors
+        --ann_distractor_memory "$DISTRACT_MEMORY")
     trainer_stage "$1" "$stages/needles/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$DISTRACT_STEPS" \
         0 "${distractors[@]}"
 }

@@ -668,17 +668,20 @@ def test_logn_model_full_forward_equals_chunked_prefill_and_decoding(retrieval):
     assert (unscaled[:, 32:] - full[:, 32:]).abs().max().item() > 1e-3
 
 
-def reference_after_other_rows(q, k, v, window, block_size, top_n, summary, logn_length=None):
+def reference_after_other_rows(q, k, v, window, block_size, top_n, summary, logn_length=None, kept=()):
     """Unrotated q (b, h, s, d), k/v (b, g, s, d) -> out (b, h, s, d): row i's queries as the last s of
     one sequence made of the complete blocks of every other row (in row order) and then row i, by
-    reference_attention (log-n scaled at their positions in that sequence)."""
+    reference_attention (log-n scaled at their positions in that sequence). kept: earlier batches'
+    (k, v), oldest first, whose complete blocks (row by row) come first in every row's sequence."""
     b, h, s, d = q.shape
     length = s // block_size * block_size
+    kept_k = [x[j, :, : x.shape[2] // block_size * block_size] for x, _ in kept for j in range(x.shape[0])]
+    kept_v = [x[j, :, : x.shape[2] // block_size * block_size] for _, x in kept for j in range(x.shape[0])]
     rows = []
     for i in range(b):
         others = [j for j in range(b) if j != i]
-        prefix_k = torch.cat([k[j, :, :length] for j in others], dim=1)
-        prefix_v = torch.cat([v[j, :, :length] for j in others], dim=1)
+        prefix_k = torch.cat(kept_k + [k[j, :, :length] for j in others], dim=1)
+        prefix_v = torch.cat(kept_v + [v[j, :, :length] for j in others], dim=1)
         offset = prefix_k.shape[1]
         row_q = torch.cat([q.new_zeros(h, offset, d), q[i]], dim=1)[None]
         if logn_length is not None:
@@ -706,6 +709,32 @@ def test_batch_distractors_equal_each_row_after_the_other_rows_blocks(length, he
     assert_same_outputs_and_gradients(out, expected, (q, k, v))
     alone = run(make_core(num_heads, kv_heads, window=8, block_size=4, top_n=top_n, summary=summary), q, k, v)
     assert (out - alone).abs().max().item() > 1e-3  # the other rows' blocks are taken
+
+
+@pytest.mark.parametrize("summary", ["bounds", "keys"])
+@pytest.mark.parametrize("memory", [1, 2])
+@pytest.mark.parametrize("lengths", [(12, 12, 12, 12), (9, 16, 4, 13)], ids=["equal", "ragged"])
+def test_distractor_memory_puts_earlier_batches_blocks_first_without_gradient(summary, memory, lengths):
+    """With ann_distractor_memory M, batch n's rows follow the complete blocks of batches n-M .. n-1
+    (oldest first, detached: no gradient reaches them) and then the other rows' blocks; outputs and
+    gradients equal the reference over that sequence (float64); a checkpointed state restores it."""
+    core = make_core(4, 2, window=8, block_size=4, top_n=2, summary=summary, ann_batch_distractors=True,
+                     ann_distractor_memory=memory)
+    batches = [random_qkv(3, 4, 2, length, seed=n) for n, length in enumerate(lengths)]
+    for n, (q, k, v) in enumerate(batches):
+        kept = [(earlier_k.detach(), earlier_v.detach()) for _, earlier_k, earlier_v in batches[max(0, n - memory) : n]]
+        if n == 2:
+            restored = make_core(4, 2, window=8, block_size=4, top_n=2, summary=summary, ann_batch_distractors=True,
+                                 ann_distractor_memory=memory)
+            restored.distractor_memory.load_state(core.distractor_memory.state(), q.device)
+            torch.testing.assert_close(run(restored, q, k, v), run(core, q, k, v), atol=0, rtol=0)
+            core = restored
+            continue
+        out = run(core, q, k, v)
+        expected = reference_after_other_rows(q, k, v, 8, 4, 2, summary, kept=kept)
+        assert_same_outputs_and_gradients(out, expected, (q, k, v))
+        if n and any(x.shape[2] >= 4 for _, x, _ in batches[max(0, n - memory) : n]):
+            assert (expected - reference_after_other_rows(q, k, v, 8, 4, 2, summary)).abs().max().item() > 1e-3
 
 
 def test_batch_distractors_act_only_in_a_training_pass_of_a_retrieving_layer():

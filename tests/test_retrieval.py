@@ -89,6 +89,9 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(ann_logn_length=512.0), "ann_logn_length must be None or an integer >= 2"),
         (dict(ann_batch_distractors=1), "ann_batch_distractors must be true or false"),
         (dict(ann_batch_distractors=True, ann_block_position="true"), "ann_batch_distractors needs ann_block_position 'capped'"),
+        (dict(ann_distractor_memory=-1), r"ann_distractor_memory must be an integer >= 0"),
+        (dict(ann_distractor_memory=2.0, ann_batch_distractors=True), r"ann_distractor_memory must be an integer >= 0"),
+        (dict(ann_distractor_memory=2), "ann_distractor_memory needs ann_batch_distractors"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):

@@ -162,6 +162,25 @@ def test_resume_in_the_middle_of_the_hold_is_bitwise_exact(data_dir, tmp_path):
     assert deterministic_fields(read_metrics(tmp_path)) == deterministic_fields(reference)
 
 
+def test_resume_with_a_distractor_memory_is_bitwise_exact(data_dir, tmp_path):
+    """The distractor memory (ann_distractor_memory) travels in the checkpoint: a run resumed from
+    step 4 continues as the uninterrupted one, whose losses the memory changes."""
+    data = data_dir / "pretrain.jsonl"
+    flags = ["--batch_size", "4", "--epochs", "1", "--max_steps", "8", "--save_interval", "4", "--keep_checkpoints", "2",
+             "--ann_window", "8", "--ann_block_size", "4", "--ann_top_n", "2", "--ann_batch_distractors"]
+    assert run_stage(train_pretrain, tmp_path / "plain", data, *flags) == 0
+    assert run_stage(train_pretrain, tmp_path / "kept", data, *flags, "--ann_distractor_memory", "3") == 0
+    reference = read_metrics(tmp_path / "kept")
+    assert [r["loss"] for r in reference][1:] != [r["loss"] for r in read_metrics(tmp_path / "plain")][1:]
+    assert MiniMindForCausalLM.from_pretrained(tmp_path / "kept" / "model").config.ann_distractor_memory == 3
+    saved = torch.load(tmp_path / "kept" / "checkpoints" / "step_0000004.pt", weights_only=False)["training_state"]
+    assert [len(entries) for entries in saved[0].values()] == [3, 3]
+    (tmp_path / "kept" / "checkpoints" / "step_0000008.pt").unlink()
+    assert run_stage(train_pretrain, tmp_path / "kept", data, *flags, "--ann_distractor_memory", "3",
+                     "--from_resume", "1") == 0
+    assert deterministic_fields(read_metrics(tmp_path / "kept")) == deterministic_fields(reference)
+
+
 def test_only_the_wide_shift_group_waits_for_its_step():
     config = MiniMindConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, key_shift=2, query_shift=1)
     model = MiniMindForCausalLM(config)

@@ -2,7 +2,8 @@
 
 Exact resume. The data order of an epoch is a permutation drawn from (seed, epoch) (trainer/data.py),
 and a checkpoint records how many samples of that order all ranks together have consumed, together
-with model, optimizer, scaler and every RNG state. A run killed at any point and restarted with
+with model, optimizer, scaler, every RNG state and the model's training state (the distractor
+memories of cross-batch training). A run killed at any point and restarted with
 `--from_resume 1` therefore replays the same batches with the same weights: on CPU in one process
 its losses are bitwise equal to an uninterrupted run. Counted in samples, the position also
 carries over to another number of processes: with the same global batch (--batch_size x processes)
@@ -75,8 +76,10 @@ def save_training_state(out_dir, keep, model, optimizer, scaler, progress, elaps
 
     model: the unwrapped model; elapsed_s: training wall time so far, earlier runs included.
     """
-    # Every rank contributes its RNG state, so dropout also resumes exactly on every rank.
+    # Every rank contributes its RNG state and its model's training state (distractor memories), so
+    # dropout and cross-batch distractors also resume exactly on every rank.
     states = gather_from_all_ranks(rng_states(), world_size)
+    training_states = gather_from_all_ranks(model.training_state(), world_size)
     if rank != 0:
         return None
     payload = {
@@ -86,6 +89,7 @@ def save_training_state(out_dir, keep, model, optimizer, scaler, progress, elaps
         "scaler": scaler.state_dict(),
         "state": {**vars(progress), "elapsed_s": elapsed_s, "world_size": world_size},
         "rng": states,
+        "training_state": training_states,
         "args": vars(args),
     }
     return save_checkpoint(out_dir, progress.step, payload, keep)
@@ -152,8 +156,9 @@ def resume(out_dir, args, model, optimizer, scaler, rank, world_size):
         changed.append("the global batch (--batch_size x processes)")
     if saved_world_size == world_size:
         restore_rng_states(payload["rng"][rank])
-    elif model.config.dropout > 0:
-        changed.append("the number of processes (so the dropout draws)")
+        model.load_training_state(payload.get("training_state", [{}] * world_size)[rank])
+    elif model.config.dropout > 0 or model.config.ann_distractor_memory:
+        changed.append("the number of processes (so the dropout draws and the distractor memories)")
     if changed and rank == 0:
         print(f"warning: {', '.join(changed)} differ from the checkpoint's; the run will not continue exactly")
     return path, Progress(**state)

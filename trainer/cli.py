@@ -80,6 +80,9 @@ def parse_args(stage, argv=None):
                    help="training: a retrieving layer's queries also select among the other rows' blocks of the "
                         "batch (cross-batch distractors), so the copy trains against more candidates than one "
                         "sequence holds; saved with the model, it changes nothing outside training")
+    p.add_argument("--ann_distractor_memory", type=int, default=None,
+                   help="training, with --ann_batch_distractors: the complete blocks of this many earlier batches "
+                        "stay (detached) as further distractor candidates; kept in checkpoints; default 0")
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--ann_block_summary", default=None, help="bounds | mean | keys: how a block is scored for retrieval")
@@ -143,6 +146,7 @@ def build_config(args):
         ann_retrieval_layers=args.ann_retrieval_layers,
         ann_logn_length=args.ann_logn_length,
         ann_batch_distractors=args.ann_batch_distractors,
+        ann_distractor_memory=args.ann_distractor_memory,
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
