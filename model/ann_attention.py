@@ -391,17 +391,17 @@ class DistractorMemory:
         self.batches = batches
         self.entries = []
 
-    def blocks(self, rows, like):
-        """-> keys, values (rows, g, P, d): every kept block, oldest first, the same for each row;
-        P = 0 when nothing is kept. like (b, g, s, d) gives dtype, device and g, d."""
-        if not self.entries:
-            empty = like[:1, :, :0].expand(rows, -1, -1, -1)
-            return empty, empty
-        keys, values = (torch.cat(part, dim=1).unsqueeze(0).expand(rows, -1, -1, -1) for part in zip(*self.entries))
+    def blocks(self, rows):
+        """-> [keys], [values]: each kept batch's blocks (rows, g, P_i, d), oldest first, the same for
+        every row (expanded, not copied), to be concatenated once with the rest of the prefix."""
+        keys = [keys.unsqueeze(0).expand(rows, -1, -1, -1) for keys, _ in self.entries]
+        values = [values.unsqueeze(0).expand(rows, -1, -1, -1) for _, values in self.entries]
         return keys, values
 
     def remember(self, k, v, block_size):
         """Keep the complete blocks of k, v (b, g, s, d), dropping the oldest batch beyond `batches`."""
+        if not self.batches:
+            return
         b, g, s, d = k.shape
         length = s // block_size * block_size
         flat = [x[:, :, :length].detach().transpose(0, 1).reshape(g, b * length, d) for x in (k, v)]
@@ -625,13 +625,11 @@ class AnnAttention:
         q (b, h, s, d), k/v (b, g, s, d) unrotated -> out (b, h, s, d).
         """
         b, _, s, _ = q.shape
-        kept_keys, kept_values = self.distractor_memory.blocks(b, k)
-        prefix_keys = torch.cat([kept_keys, other_rows_blocks(k, self.block_size)], dim=2)
-        prefix_values = torch.cat([kept_values, other_rows_blocks(v, self.block_size)], dim=2)
-        if self.distractor_memory.batches:
-            self.distractor_memory.remember(k, v, self.block_size)
-        offset = prefix_keys.shape[2]
-        keys, values = torch.cat([prefix_keys, k], dim=2), torch.cat([prefix_values, v], dim=2)
+        kept_keys, kept_values = self.distractor_memory.blocks(b)
+        keys = torch.cat([*kept_keys, other_rows_blocks(k, self.block_size), k], dim=2)
+        values = torch.cat([*kept_values, other_rows_blocks(v, self.block_size), v], dim=2)
+        self.distractor_memory.remember(k, v, self.block_size)
+        offset = keys.shape[2] - s
         rope = rope.moved(rope.positions + offset)
         q = self.logn_queries(q, rope.positions, offset + s - 1)
         first = torch.full((b,), offset, dtype=torch.long, device=q.device)

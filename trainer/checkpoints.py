@@ -78,8 +78,7 @@ def save_training_state(out_dir, keep, model, optimizer, scaler, progress, elaps
     """
     # Every rank contributes its RNG state and its model's training state (distractor memories), so
     # dropout and cross-batch distractors also resume exactly on every rank.
-    states = gather_from_all_ranks(rng_states(), world_size)
-    training_states = gather_from_all_ranks(model.training_state(), world_size)
+    states, training_states = zip(*gather_from_all_ranks((rng_states(), model.training_state()), world_size))
     if rank != 0:
         return None
     payload = {
@@ -88,8 +87,8 @@ def save_training_state(out_dir, keep, model, optimizer, scaler, progress, elaps
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
         "state": {**vars(progress), "elapsed_s": elapsed_s, "world_size": world_size},
-        "rng": states,
-        "training_state": training_states,
+        "rng": list(states),
+        "training_state": list(training_states),
         "args": vars(args),
     }
     return save_checkpoint(out_dir, progress.step, payload, keep)
