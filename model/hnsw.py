@@ -240,15 +240,17 @@ class MipsHnsw:
         return np.take_along_axis(nodes, order, axis=1)
 
 
-def run_per_head(serve, heads):
-    """serve(head) for each head, on up to torch.get_num_threads() threads.
+def run_per_head(serve, heads, parallel=True):
+    """serve(head) for each head, on up to torch.get_num_threads() threads (parallel), or in turn on
+    the calling thread (not parallel: a step that only searches one query per graph costs less
+    than handing it to a worker and back).
 
     FAISS releases the GIL in add and search and each kv head has graphs of its own, so heads run
     side by side; within a worker FAISS runs single-threaded (OpenMP's thread count is per calling
     thread), so the workers do not oversubscribe the cores. A graph's calls stay in one thread, in
     order: the answer is the same for any thread count.
     """
-    workers = min(heads, torch.get_num_threads())
+    workers = min(heads, torch.get_num_threads()) if parallel else 1
     if workers <= 1:
         for head in range(heads):
             serve(head)
@@ -353,7 +355,7 @@ class HnswRetriever:
                 block_ids[head, picked, :found] = np.maximum(labels, 0)
                 valid[head, picked, :found] = labels >= 0
 
-        run_per_head(serve, len(self.graphs[row]))
+        run_per_head(serve, len(self.graphs[row]), parallel=new_blocks.shape[1] > 0 or len(limits) > 1)
 
 
 class KeyHnswRetriever(HnswRetriever):
