@@ -3,6 +3,7 @@
     python scripts/eval_perplexity.py --load out/prose_ann --dense out/prose_dense --threads 2 \\
         --json out/perplexity.json
     python scripts/eval_perplexity.py --load out/prose_ann --texts dataset/prose/prose_heldout_sanguo.txt
+    python scripts/eval_perplexity.py --load none --dense out/prose_dense     # the dense model alone
 
 Each held-out text (default dataset/prose/prose_heldout_*.txt, written by scripts/make_prose_data.py;
 never trained on) is read as one document, cut to --max_tokens, and scored token by token through
@@ -147,7 +148,8 @@ def print_table(rows):
 
 def parse_args(argv=None):
     p = OneLineParser(description="MiniMind held-out loss by context position")
-    p.add_argument("--load", default="out/prose_ann/model", help="the ANN model: folder, out dir or checkpoint .pt")
+    p.add_argument("--load", default="out/prose_ann/model",
+                   help="the ANN model: folder, out dir or checkpoint .pt; none: only the --dense model")
     p.add_argument("--dense", default=None, help="a dense model to compare, scored up to --dense_max_tokens")
     p.add_argument("--texts", nargs="+", default=None, help=f"held-out text files (default {DEFAULT_TEXTS})")
     p.add_argument("--max_tokens", type=int, default=131072, help="tokens scored per text (its start)")
@@ -169,6 +171,8 @@ def validate_args(args):
     missing = [path for path in args.texts if not Path(path).is_file()]
     if missing:
         raise UsageError(f"--texts {missing[0]}: file not found")
+    if args.load == "none" and not args.dense:
+        raise UsageError("--load none scores only the --dense model, and --dense is not given")
     for name in ("max_tokens", "dense_max_tokens", "chunk"):
         if getattr(args, name) < 2:
             raise UsageError(f"--{name} must be >= 2, got {getattr(args, name)}")
@@ -185,27 +189,10 @@ def score_texts(tokenizer, texts, max_tokens, losses_of):
     return scored
 
 
-def main(argv=None):
-    transformers_logging.disable_progress_bar()
-    retain_freed_memory()
-    try:
-        args = parse_args(argv)
-        validate_args(args)
-        apply_run_arguments(args)
-        device = torch.device(args.device)
-        path = resolve_load_path(args.load)
-        model, tokenizer = load_model(path, None, None, device, attention_overrides(args))
-        if model.config.attn_impl != "ann":
-            raise UsageError(f"--load {path}: a dense model; pass the ANN model to --load and this one to --dense")
-        dense_path = resolve_load_path(args.dense) if args.dense else None
-        dense = load_model(dense_path, "dense", None, device)[0] if dense_path else None
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
+def ann_rows(model, tokenizer, path, args):
+    """The ANN model's rows (retrieval, recent_context when asked, window_only) and its selection settings."""
     print(f"model: {path} (window {model.config.ann_window}, top {model.config.ann_top_n}, "
-          f"{model.config.ann_block_summary} summaries), "
-          f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
+          f"{model.config.ann_block_summary} summaries)")
     seed = training_seed(path)
     selection = {"ann_top_n": model.config.ann_top_n, "ann_block_summary": model.config.ann_block_summary,
                  "ann_retrieval_layers": model.config.ann_retrieval_layers, "ann_logn_length": model.config.ann_logn_length,
@@ -218,15 +205,43 @@ def main(argv=None):
             lambda ids: recent_context_losses(model, ids, args.recent_context, args.chunk)))
     rows += rows_for(str(path), seed, "window_only", score_texts(
         tokenizer, args.texts, args.max_tokens, lambda ids: position_losses(window_only(model), ids, args.chunk)))
+    return rows, selection
+
+
+def main(argv=None):
+    transformers_logging.disable_progress_bar()
+    retain_freed_memory()
+    try:
+        args = parse_args(argv)
+        validate_args(args)
+        apply_run_arguments(args)
+        device = torch.device(args.device)
+        path = None if args.load == "none" else resolve_load_path(args.load)
+        model = tokenizer = None
+        if path is not None:
+            model, tokenizer = load_model(path, None, None, device, attention_overrides(args))
+            if model.config.attn_impl != "ann":
+                raise UsageError(f"--load {path}: a dense model; pass the ANN model to --load and this one to --dense")
+        dense_path = resolve_load_path(args.dense) if args.dense else None
+        dense, dense_tokenizer = load_model(dense_path, "dense", None, device) if dense_path else (None, None)
+        tokenizer = tokenizer or dense_tokenizer
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    print(f"{torch.get_num_threads()} threads, texts: {', '.join(args.texts)}")
+    rows, selection = [], {}
+    if model is not None:
+        rows, selection = ann_rows(model, tokenizer, path, args)
     if dense is not None:
         rows += rows_for(str(dense_path), training_seed(dense_path), "dense", score_texts(
             tokenizer, args.texts, args.dense_max_tokens, lambda ids: position_losses(dense, ids, args.chunk)))
     print_table(rows)
     if args.json:
-        run_config = {"load": str(path), "dense": str(dense_path) if dense_path else None, "texts": args.texts,
+        run_config = {"load": str(path) if path else None, "dense": str(dense_path) if dense_path else None, "texts": args.texts,
                       "max_tokens": args.max_tokens, "dense_max_tokens": args.dense_max_tokens, "chunk": args.chunk,
                       "recent_context": args.recent_context, **selection, "buckets": BUCKETS, "threads": torch.get_num_threads(), "device": args.device}
-        write_results(args.json, {"config": run_config, "rows": rows}, plot_losses, f"held-out loss by position: {path}")
+        write_results(args.json, {"config": run_config, "rows": rows}, plot_losses, f"held-out loss by position: {path or dense_path}")
     return 0
 
 

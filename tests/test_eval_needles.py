@@ -205,6 +205,21 @@ def test_eval_perplexity_writes_every_variant(trained, prose_dir, tmp_path, caps
     assert "file not found" in capsys.readouterr().err
 
 
+
+def test_eval_perplexity_scores_a_dense_model_alone(trained, prose_dir, tmp_path, capsys):
+    texts = [str(prose_dir / "prose_heldout_kjv.txt")]
+    both, alone = tmp_path / "both.json", tmp_path / "alone.json"
+    flags = ["--dense", str(trained), "--texts", *texts, "--max_tokens", "300", "--dense_max_tokens", "256", "--chunk", "128"]
+    assert eval_perplexity.main(["--load", str(trained), *flags, "--json", str(both)]) == 0
+    assert eval_perplexity.main(["--load", "none", *flags, "--json", str(alone)]) == 0
+    alone_rows = json.loads(alone.read_text())["rows"]
+    assert {row["variant"] for row in alone_rows} == {"dense"}
+    dense_rows = [row for row in json.loads(both.read_text())["rows"] if row["variant"] == "dense"]
+    assert [(r["text"], r["bucket"], r["tokens"]) for r in alone_rows] == [(r["text"], r["bucket"], r["tokens"]) for r in dense_rows]
+    assert [r["loss"] for r in alone_rows] == pytest.approx([r["loss"] for r in dense_rows], rel=1e-6)
+    assert eval_perplexity.main(["--load", "none", "--texts", *texts]) == 2
+    assert "--load none scores only the --dense model, and --dense is not given" in capsys.readouterr().err
+
 def rewrite_seed(path, seed, parts):
     """A copy of a result file as if another seed's model had written it."""
     result = json.loads(path.read_text())
