@@ -1,0 +1,48 @@
+"""scripts/train_prose_long_context.sh end to end, tiny: data mixes, the four training stages, the
+needle and held-out-loss evaluations and the collected results, on a stand-in corpus."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.prose_corpus import write_corpus
+from tests.test_layout import REPO
+
+TINY = {
+    "ATTNS": "ann", "INDUCTION_STEPS": "2", "COPY_STEPS": "2", "NEEDLE_STEPS": "2", "DISTRACT_STEPS": "2",
+    "HIDDEN": "32", "LAYERS": "2", "BATCH": "2", "COPY_DOCS": "20", "NEEDLE_COPY_DOCS": "10",
+    "EVAL_LENGTHS": "1024", "EVAL_TRIALS": "1", "PPL_TOKENS": "1024", "THREADS": "1",
+}
+
+
+def run_recipe(tmp_path, **settings):
+    env = {**os.environ, **TINY, "DATA_DIR": str(write_corpus(tmp_path / "corpus")), "PROSE": str(tmp_path / "data"),
+           "OUT": str(tmp_path / "out"), **settings}
+    return subprocess.run(["bash", "scripts/train_prose_long_context.sh"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_recipe_trains_all_three_needle_tasks_and_reports_them(tmp_path):
+    done = run_recipe(tmp_path, NEEDLE_TASKS="single multikey multivalue", NEEDLE_MIN_TOKENS="280")
+    assert done.returncode == 0, done.stdout + done.stderr
+    mix = json.loads((tmp_path / "data" / "needles" / "prose_data.json").read_text())
+    assert set(mix["needle_documents_by_task"]) == {"single", "multikey", "multivalue"}
+    assert mix["args"]["needle_min_tokens"] == 280
+    copy_mix = json.loads((tmp_path / "data" / "copy" / "prose_data.json").read_text())
+    assert set(copy_mix["needle_documents_by_task"]) == {"single"} and copy_mix["args"]["needle_min_tokens"] == 112
+    last_stage = [json.loads(line) for line in (tmp_path / "out" / "prose_ann" / "metrics.jsonl").read_text().splitlines()]
+    assert last_stage[-1]["step"] == 2
+    results = tmp_path / "out" / "results"
+    needles = json.loads((results / "needles.json").read_text())["rows"]
+    assert {row["task"] for row in needles} == {"single", "multikey", "multivalue"}
+    perplexity = json.loads((results / "perplexity.json").read_text())["rows"]
+    assert {row["variant"] for row in perplexity} == {"retrieval", "window_only"}
+
+
+def test_needle_documents_shorter_than_the_longest_template_stop_the_recipe(tmp_path):
+    done = run_recipe(tmp_path, NEEDLE_TASKS="multikey")
+    assert done.returncode != 0
+    assert "--needle_min_tokens 112 is shorter than the en multikey template" in done.stderr
+    assert not (tmp_path / "out" / "prose_ann").exists()
