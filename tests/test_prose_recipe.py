@@ -4,11 +4,11 @@ needle and held-out-loss evaluations and the collected results, on a stand-in co
 import json
 import os
 import subprocess
-
-import pytest
+from pathlib import Path
 
 from tests.prose_corpus import write_corpus
-from tests.test_layout import REPO
+
+REPO = Path(__file__).resolve().parent.parent
 
 TINY = {
     "ATTNS": "ann", "INDUCTION_STEPS": "2", "COPY_STEPS": "2", "NEEDLE_STEPS": "2", "DISTRACT_STEPS": "2",
