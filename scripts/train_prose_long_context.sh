@@ -31,8 +31,8 @@
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
 # NEEDLE_STEPS (1200), DISTRACT_STEPS (0), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
-# LR (1e-3), NEEDLE_TASKS ("single"), NEEDLE_MIN_TOKENS (112: the shortest needle document of stages 3 and 4;
-# multikey and multivalue templates need 280), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
+# LR (1e-3), NEEDLE_TASKS ("single"), NEEDLE_MIN_TOKENS (112, as in stage 2: the shortest needle document of
+# stages 3 and 4; with multikey or multivalue it must hold their longest template, e.g. 280), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
 # BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
 # each block by its best keys, found by HNSW over keys in the hnsw evaluation), THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
 # EVAL_LENGTHS ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
@@ -57,7 +57,8 @@ BATCH=${BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-512}
 LR=${LR:-1e-3}
 NEEDLE_TASKS=${NEEDLE_TASKS:-single}
-NEEDLE_MIN_TOKENS=${NEEDLE_MIN_TOKENS:-112}
+COPY_MIX_MIN_TOKENS=112
+NEEDLE_MIN_TOKENS=${NEEDLE_MIN_TOKENS:-$COPY_MIX_MIN_TOKENS}
 COPY_DOCS=${COPY_DOCS:-12000}
 NEEDLE_COPY_DOCS=${NEEDLE_COPY_DOCS:-4000}
 SAFETY_MINUTES=${SAFETY_MINUTES:-120}
@@ -71,23 +72,27 @@ EVAL_TRIALS=${EVAL_TRIALS:-5}
 PPL_TOKENS=${PPL_TOKENS:-131072}
 OUT=${OUT:-out}
 
-# A mix is (re)built when missing or older than the code that writes it. Both have the same
-# train / held-out split; needle documents (stage 3: from NEEDLE_MIN_TOKENS) and copy
-# documents are 112-448 tokens long.
-stale() { for source in scripts/make_prose_data.py dataset/prose.py evaluation/needles.py "$TOKENIZER/tokenizer.json"; do
-    [ "$1/prose_train.jsonl" -nt "$source" ] || return 0; done; return 1; }
-build_mix() {  # $1: folder, $2: shortest needle document, then make_prose_data.py flags of this mix
-    local folder=$1 min_tokens=$2; shift 2
-    if stale "$folder"; then
-        python scripts/make_prose_data.py --data_dir "$DATA_DIR" --out_dir "$folder" --tokenizer "$TOKENIZER" \
-            --chunk_tokens $((SEQ_LEN - 24)) --needle_min_tokens "$min_tokens" --needle_max_tokens $((SEQ_LEN - 64)) "$@"
+# A mix is (re)built when missing, older than the code that writes it, or built with other flags
+# (its build_flags file). Both have the same train / held-out split; copy documents are 112-448
+# tokens long, needle documents from COPY_MIX_MIN_TOKENS (stage 2) or NEEDLE_MIN_TOKENS to 448.
+stale() {  # $1: folder, $2: its flags
+    [ "$(cat "$1/build_flags" 2>/dev/null)" = "$2" ] || return 0
+    for source in scripts/make_prose_data.py dataset/prose.py evaluation/needles.py "$TOKENIZER/tokenizer.json"; do
+        [ "$1/prose_train.jsonl" -nt "$source" ] || return 0; done; return 1; }
+build_mix() {  # $1: folder, then make_prose_data.py flags of this mix
+    local folder=$1; shift
+    local flags=(--data_dir "$DATA_DIR" --tokenizer "$TOKENIZER" --chunk_tokens $((SEQ_LEN - 24))
+        --needle_max_tokens $((SEQ_LEN - 64)) "$@")
+    if stale "$folder" "${flags[*]}"; then
+        python scripts/make_prose_data.py --out_dir "$folder" "${flags[@]}"
+        echo "${flags[*]}" > "$folder/build_flags"
     fi
 }
 # Stage 2: 69% copy documents, the prose chunks, 30% of the rest single needles (half of them over a
 # repeated passage). Stage 3: 80% needle documents, with copy documents kept.
-build_mix "$PROSE/copy" 112 --needle_fraction 0.3 --repeat_fraction 0.5 --tasks single --copy_documents "$COPY_DOCS" --seed 5
+build_mix "$PROSE/copy" --needle_min_tokens "$COPY_MIX_MIN_TOKENS" --needle_fraction 0.3 --repeat_fraction 0.5 --tasks single --copy_documents "$COPY_DOCS" --seed 5
 # shellcheck disable=SC2086  # NEEDLE_TASKS is a list of words
-build_mix "$PROSE/needles" "$NEEDLE_MIN_TOKENS" --needle_fraction 0.8 --tasks $NEEDLE_TASKS --copy_documents "$NEEDLE_COPY_DOCS" --seed 6
+build_mix "$PROSE/needles" --needle_min_tokens "$NEEDLE_MIN_TOKENS" --needle_fraction 0.8 --tasks $NEEDLE_TASKS --copy_documents "$NEEDLE_COPY_DOCS" --seed 6
 mkdir -p "$OUT"
 # HNSW settings saved with the models: graphs over keys as measured in docs/LONG_CONTEXT.md (HNSW
 # over keys), graphs over bounds summaries with the passkey recipe's search breadth.

@@ -46,3 +46,15 @@ def test_needle_documents_shorter_than_the_longest_template_stop_the_recipe(tmp_
     assert done.returncode != 0
     assert "--needle_min_tokens 112 is shorter than the en multikey template" in done.stderr
     assert not (tmp_path / "out" / "prose_ann").exists()
+
+
+def test_a_mix_built_with_other_settings_is_built_again(tmp_path):
+    for mix in ("copy", "needles"):  # newer than the code, but from other flags
+        folder = tmp_path / "data" / mix
+        folder.mkdir(parents=True)
+        (folder / "prose_train.jsonl").write_text("{}\n")
+        (folder / "build_flags").write_text("--tasks single\n")
+    done = run_recipe(tmp_path, NEEDLE_TASKS="multikey")
+    assert "--needle_min_tokens 112 is shorter than the en multikey template" in done.stderr
+    copy_mix = json.loads((tmp_path / "data" / "copy" / "prose_data.json").read_text())
+    assert copy_mix["needle_documents_by_task"] == {"single": copy_mix["needle_documents"]}
