@@ -45,9 +45,9 @@ class MipsHnsw:
     edge into a vector unlike its neighbours, and no search reaches such a node however wide; among
     repeated filler, that is the distinct block a query looks for (the passkey's, measured: 20 of
     300 queries missed it with efSearch 512 over 156 nodes). Orphans are few, so scoring them is
-    cheap. They are found from in-degrees kept up to date per insertion: inserting a node rewrites
-    only its own level-0 neighbour list and the lists of the nodes it links to, so only those
-    (at most 2M + 1 lists) are re-read.
+    cheap. They are found from in-degrees kept up to date per `add`: inserting a node rewrites only
+    its own level-0 neighbour list and the lists of the nodes it links to (at most 2M + 1 lists), so
+    only the lists so rewritten during the call are re-read, once each, at its end.
     """
 
     DUPLICATE_TOLERANCE = 1e-4
@@ -70,8 +70,16 @@ class MipsHnsw:
         self.members = np.zeros((0, self.MAX_EXPANSION), dtype=np.int32)  # node -> vectors, -1 padded
         self.member_counts = np.zeros(0, dtype=np.int64)
         self.links = np.zeros((0, 2 * m), dtype=np.int32)  # node -> its level-0 neighbours, as the index holds them
+        self.slots = np.arange(2 * m)
+        # node -> where its level-0 list starts in the index's neighbour array. FAISS appends a new
+        # node's lists there, level 0 first, so the start is the array's length before the insertion;
+        # keeping it here spares a view of the index's offsets per insertion.
+        self.list_starts = np.zeros(0, dtype=np.int64)
+        self.neighbor_slots = 0  # length of the index's neighbour array
+        # Nodes linked, and their level-0 lists as inserted, since the lists were last re-read.
+        self.linked_since_settled, self.rewritten_lists = [], []
         self.in_degree = np.zeros(0, dtype=np.int64)  # node -> level-0 lists holding it
-        self.unlinked = set()  # nodes of in-degree 0, kept per insertion: a scan per search is O(nodes)
+        self.unlinked = set()  # nodes of in-degree 0, kept per add: a scan per search is O(nodes)
         self.orphan_table = None  # (orphan nodes, their vectors) until the next insertion: many searches read it
         self.radius = 0.0
         self.index = None
@@ -82,6 +90,7 @@ class MipsHnsw:
         self.lifted = np.empty((1, dim + 1), dtype=np.float32)
         self.nearest_distance = np.empty((1, 1), dtype=np.float32)
         self.nearest_node = np.empty((1, 1), dtype=np.int64)
+        self.buffer_pointers = [faiss.swig_ptr(buffer) for buffer in (self.lifted, self.nearest_distance, self.nearest_node)]
 
     def __len__(self):
         return self.count
@@ -98,12 +107,14 @@ class MipsHnsw:
 
     def add(self, vectors):
         """Insert vectors (n, d), one at a time in order."""
-        for vector in np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim):
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        self.vectors = with_rows(self.vectors, self.count + len(vectors), 0.0)
+        for vector in vectors:
             self._insert(vector)
+        self._settle_links()
 
     def _insert(self, vector):
         row = self.count
-        self.vectors = with_rows(self.vectors, row + 1, 0.0)
         self.vectors[row] = vector
         self.count += 1
         squared_norm = float(np.dot(vector, vector))
@@ -113,7 +124,7 @@ class MipsHnsw:
         lifted = self.lifted
         lifted[0, :-1] = vector
         lifted[0, -1] = np.sqrt(max(self.radius**2 - squared_norm, 0.0))
-        node = self._duplicate_of(lifted)
+        node = self._duplicate_of()
         if node < 0:
             node = self._new_node(row, lifted)
         count = self.member_counts[node]
@@ -121,12 +132,12 @@ class MipsHnsw:
             self.members[node, count] = row
         self.member_counts[node] = count + 1
 
-    def _duplicate_of(self, lifted):
-        """The node whose vector lies within the tolerance of a lifted vector (1, d+1), or -1."""
+    def _duplicate_of(self):
+        """The node whose vector lies within the tolerance of the lifted vector in self.lifted, or -1."""
         if self.node_count == 0:
             return -1
-        self.index.search_c(1, faiss.swig_ptr(lifted), 1, faiss.swig_ptr(self.nearest_distance),
-                            faiss.swig_ptr(self.nearest_node), self.duplicate_search)
+        lifted_pointer, distance_pointer, node_pointer = self.buffer_pointers
+        self.index.search_c(1, lifted_pointer, 1, distance_pointer, node_pointer, self.duplicate_search)
         close = self.nearest_distance[0, 0] <= (self.DUPLICATE_TOLERANCE * self.radius) ** 2
         return int(self.nearest_node[0, 0]) if close else -1
 
@@ -138,6 +149,7 @@ class MipsHnsw:
             self.members = with_rows(self.members, node + 1, -1)
             self.member_counts = with_rows(self.member_counts, node + 1, 0)
             self.links = with_rows(self.links, node + 1, -1)
+            self.list_starts = with_rows(self.list_starts, node + 1, 0)
             self.in_degree = with_rows(self.in_degree, node + 1, 0)
         self.node_rows[node] = row
         self._link(node, lifted)
@@ -149,40 +161,55 @@ class MipsHnsw:
         self.hnsw = self.index.hnsw
         self.links[:] = -1
         self.in_degree[:] = 0
+        self.neighbor_slots = 0
         self.unlinked.clear()
         self.orphan_table = None
+        self.linked_since_settled, self.rewritten_lists = [], []
         for node in range(self.node_count):
             self._link(node, self._augment(self.vectors[self.node_rows[node]][None]))
 
     def _link(self, node, lifted):
-        """Insert node (its lifted vector (1, d+1)) into the index; re-read the level-0 lists this
-        rewrote: its own and those of the nodes it links to."""
+        """Insert node (its lifted vector (1, d+1)) into the index and note the level-0 lists this
+        rewrote, its own and those of the nodes it links to, for _settle_links."""
+        start = self.list_starts[node] = self.neighbor_slots
         self.index.add_c(1, faiss.swig_ptr(lifted))
-        offsets, neighbors = self._index_arrays()
-        start = offsets[node]
-        own = neighbors[start : start + self.links.shape[1]]
-        self._reread(np.concatenate(([node], own[own >= 0])), offsets, neighbors)
+        neighbors = self._neighbors()
+        self.neighbor_slots = len(neighbors)
+        self.linked_since_settled.append(node)
+        # A copy: the next insertion may move the array. The list as inserted names the nodes whose
+        # lists got the back link, even if a later insertion prunes them from it.
+        self.rewritten_lists.append(neighbors[start : start + len(self.slots)].copy())
 
-    def _index_arrays(self):
-        """The index's neighbour-list offsets (int64) and neighbour lists, as views: copying them
-        per insertion would cost O(nodes)."""
-        offsets = faiss.rev_swig_ptr(self.hnsw.offsets.data(), self.hnsw.offsets.size()).view(np.int64)
-        return offsets, faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
+    def _settle_links(self):
+        """Re-read, once each, the level-0 lists rewritten since the last call: the in-degrees and
+        orphans then match the graph as if each insertion had re-read its own."""
+        if not self.linked_since_settled:
+            return
+        linked = np.array(self.linked_since_settled, dtype=np.int64)
+        nodes = np.unique(np.concatenate([linked, *self.rewritten_lists]))
+        self.linked_since_settled, self.rewritten_lists = [], []
+        self._reread(nodes[nodes >= 0], self._neighbors(), linked)
+
+    def _neighbors(self):
+        """The index's neighbour lists, as a view: copying them per insertion would cost O(nodes)."""
+        return faiss.rev_swig_ptr(self.hnsw.neighbors.data(), self.hnsw.neighbors.size())
 
     def reread_links(self, nodes):
         """Refresh the copies of these nodes' level-0 lists and the in-degrees they count toward."""
-        self._reread(nodes, *self._index_arrays())
+        self._reread(nodes, self._neighbors(), nodes)
 
-    def _reread(self, nodes, offsets, neighbors):
+    def _reread(self, nodes, neighbors, new_nodes):
+        """Re-read nodes' level-0 lists; new_nodes (among them) may have no in-link yet."""
         old = self.links[nodes]
-        new = neighbors[offsets[nodes][:, None] + np.arange(self.links.shape[1])]
+        new = neighbors[self.list_starts[nodes][:, None] + self.slots]
         changed = new != old  # mostly one slot per list: the new node's back link
         gained, lost = new[changed], old[changed]
         gained, lost = gained[gained >= 0], lost[lost >= 0]
         np.add.at(self.in_degree, gained, 1)
         np.subtract.at(self.in_degree, lost, 1)
         self.links[nodes] = new
-        touched = np.concatenate([nodes, gained, lost])
+        # Only these can have become (un)linked: the nodes whose in-degree moved, and new ones.
+        touched = np.concatenate([new_nodes, gained, lost])
         is_unlinked = self.in_degree[touched] == 0
         self.unlinked.update(touched[is_unlinked].tolist())
         self.unlinked.difference_update(touched[~is_unlinked].tolist())
