@@ -4,8 +4,9 @@ among the blocks the answering query could retrieve, in every layer.
     python scripts/probe_selection.py --load out/prose_ann/model --lengths 400 1024 4096 --trials 8
     python scripts/probe_selection.py --load out/prose_ann/model --lengths 16384 --langs zh --json out/selection.json
 
-The prompts are scripts/eval_needles.py's `single` prompts (the same --seed gives the same needles
-and haystacks). Each is prefilled once; the query of its last token, which predicts the answer's
+The prompts are scripts/eval_needles.py's `single` prompts, or with --task multikey its
+multikey ones (--num_keys key sentences; the block ranked holds the asked label's number); the same
+--seed gives the same needles and haystacks. Each is prefilled once; the query of its last token, which predicts the answer's
 first digit, ranks the block holding the number's first token among its candidate blocks three ways
 (evaluation/selection.py): by the summary score that selection uses, by the sum over a GQA group's
 heads of the largest q . k in the block (a perfectly tight summary), and by the attention mass the
@@ -41,7 +42,7 @@ from common.cli import OneLineParser, UsageError
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
                                 load_model, resolve_load_path)
-from evaluation.needles import answer, build_prompt, draw_needles, shortest_prompt
+from evaluation.needles import KEY_RANGE, answer, build_prompt, draw_needles, shortest_prompt
 from evaluation.reports import plot_selection, write_results
 from evaluation.selection import (RANKINGS, block_scores, bounds_must_score, copy_targets, prefill, record_layers,
                                   target_ranks, teacher_forced, value_position)
@@ -55,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt lengths in tokens")
     p.add_argument("--langs", nargs="+", choices=LANGS, default=list(LANGS))
     p.add_argument("--trials", type=int, default=8, help="prompts per language and length, depths spread over 0..1")
+    p.add_argument("--task", choices=("single", "multikey"), default="single",
+                   help="needle task of the prompts (multikey: the asked label's number is the needle)")
+    p.add_argument("--num_keys", type=int, default=4, help="key sentences of a multikey prompt (as eval_needles.py)")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks (as eval_needles.py)")
     p.add_argument("--hnsw_keys", action="store_true",
@@ -70,6 +74,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.trials < 1 or any(length <= 0 for length in args.lengths) or args.prefill_chunk < 0:
         raise UsageError("--trials and --lengths must be positive, --prefill_chunk >= 0")
+    low, high = KEY_RANGE["multikey"]
+    if not low <= args.num_keys <= high:
+        raise UsageError(f"--num_keys must lie in {low}..{high}, got {args.num_keys}")
     args.lengths = sorted(set(args.lengths))
     return args
 
@@ -152,9 +159,9 @@ def main(argv=None):
         model, tokenizer = load_model(path, None, args.retrieval, torch.device(args.device), attention_overrides(args))
         if model.config.attn_impl != "ann":
             raise UsageError(f"{path} is a {model.config.attn_impl} model: only ANN attention selects blocks")
-        least = min(shortest_prompt(tokenizer, "single", lang) for lang in args.langs)
+        least = min(shortest_prompt(tokenizer, args.task, lang) for lang in args.langs)
         if args.lengths[0] < least:
-            raise UsageError(f"--lengths {args.lengths[0]} is shorter than the single template ({least} tokens)")
+            raise UsageError(f"--lengths {args.lengths[0]} is shorter than the {args.task} template ({least} tokens)")
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -166,8 +173,8 @@ def main(argv=None):
     for length in args.lengths:
         for lang in args.langs:
             for index, depth in enumerate(spread_depths(args.trials)):
-                rng = trial_rng(args.seed, "single", lang, length, index)
-                needles = draw_needles(rng, "single", lang, depth)
+                rng = trial_rng(args.seed, args.task, lang, length, index)
+                needles = draw_needles(rng, args.task, lang, depth, num_keys=args.num_keys if args.task == "multikey" else None)
                 stream = streams[lang]
                 ids, _ = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
                 number = value_position(tokenizer, ids, needles.values[0])
@@ -207,7 +214,8 @@ def main(argv=None):
         print(f"{skipped} (query, layer) pairs had the needle in the window or at most top_n candidates "
               "and are left out")
     if args.json:
-        run_config = {"load": str(path), "lengths": args.lengths, "langs": args.langs, "trials": args.trials,
+        run_config = {"load": str(path), "task": args.task, "num_keys": args.num_keys, "lengths": args.lengths,
+                      "langs": args.langs, "trials": args.trials,
                       "seed": args.seed, "top_n": top_n, "block_size": model.config.ann_block_size,
                       "window": model.config.ann_window, "summary": model.config.ann_block_summary,
                       "retrieval": args.retrieval, "hnsw_keys": args.hnsw_keys, "answer": args.answer,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Long context on real prose, for 2 CPU cores (docs/LONG_CONTEXT.md, "The prose recipe").
 #
-# A copy curriculum in three stages, for one model with ANN attention (out/prose_ann) and, as the
+# A copy curriculum in three to five stages, for one model with ANN attention (out/prose_ann) and, as the
 # control, the same model with dense attention (out/prose_dense), each alone on every core:
 #   1. induction: random token ids, one span repeated (scripts/probe_induction.py), where copying is
 #      the only thing to learn, so the content match (find the current token earlier, copy what
@@ -13,7 +13,10 @@
 #   4. distractors (DISTRACT_STEPS > 0): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
 #      cross-batch distractors (--ann_batch_distractors), so a copy learns to win against the other
 #      rows' blocks (and, with DISTRACT_MEMORY > 0, those of that many earlier batches); the dense
-#      control trains the same steps on the same data.
+#      control trains the same steps on the same data;
+#   5. multikey (MULTIKEY_STEPS > 0): needle documents that are all multikey (2-8 labelled numbers, one
+#      asked), with the stage-4 flags, so the label is the only thing that tells the answer; in the
+#      mixed stages a copy of any key's number lowers most of the loss.
 # Then both are evaluated: needles in held-out prose (scripts/eval_needles.py) and held-out loss by
 # position (scripts/eval_perplexity.py), collected in $OUT/results (scripts/collect_long_context.py).
 #
@@ -29,7 +32,7 @@
 # not the recipe's.
 #
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
-# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
+# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), MULTIKEY_STEPS (0), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), NEEDLE_MIN_TOKENS (112, as in stage 2: the shortest needle document of
 # stages 3 and 4; with multikey or multivalue it must hold their longest template, e.g. 280), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
@@ -45,6 +48,7 @@ INDUCTION_STEPS=${INDUCTION_STEPS:-800}
 COPY_STEPS=${COPY_STEPS:-600}
 NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
 DISTRACT_STEPS=${DISTRACT_STEPS:-0}
+MULTIKEY_STEPS=${MULTIKEY_STEPS:-0}
 DISTRACT_LAYERS=${DISTRACT_LAYERS:-1}
 DISTRACT_MEMORY=${DISTRACT_MEMORY:-0}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
@@ -58,6 +62,7 @@ SEQ_LEN=${SEQ_LEN:-512}
 LR=${LR:-1e-3}
 NEEDLE_TASKS=${NEEDLE_TASKS:-single}
 COPY_MIX_MIN_TOKENS=112
+MULTIKEY_MIX_MIN_TOKENS=280  # the longest multikey template (8 keys) needs 257 English tokens
 NEEDLE_MIN_TOKENS=${NEEDLE_MIN_TOKENS:-$COPY_MIX_MIN_TOKENS}
 COPY_DOCS=${COPY_DOCS:-12000}
 NEEDLE_COPY_DOCS=${NEEDLE_COPY_DOCS:-4000}
@@ -93,6 +98,10 @@ build_mix() {  # $1: folder, then make_prose_data.py flags of this mix
 build_mix "$PROSE/copy" --needle_min_tokens "$COPY_MIX_MIN_TOKENS" --needle_fraction 0.3 --repeat_fraction 0.5 --tasks single --copy_documents "$COPY_DOCS" --seed 5
 # shellcheck disable=SC2086  # NEEDLE_TASKS is a list of words
 build_mix "$PROSE/needles" --needle_min_tokens "$NEEDLE_MIN_TOKENS" --needle_fraction 0.8 --tasks $NEEDLE_TASKS --copy_documents "$NEEDLE_COPY_DOCS" --seed 6
+if [ "$MULTIKEY_STEPS" -gt 0 ]; then  # stage 5: the stage-3 mix with multikey documents alone
+    build_mix "$PROSE/multikey" --needle_min_tokens "$MULTIKEY_MIX_MIN_TOKENS" --needle_fraction 0.8 --tasks multikey \
+        --copy_documents "$NEEDLE_COPY_DOCS" --seed 7
+fi
 mkdir -p "$OUT"
 # HNSW settings saved with the models: graphs over keys as measured in docs/LONG_CONTEXT.md (HNSW
 # over keys), graphs over bounds summaries with the passkey recipe's search breadth.
@@ -129,24 +138,33 @@ train() {  # $1: ann | dense. Everything but the attention is identical in the t
         > "$stages/induction.log" 2>&1 || { echo "stage 1 of $1 failed, see $stages/induction.log" >&2; return 1; }
     echo "stage 1 (induction), last row: $(tail -n 1 "$stages/induction.log")"
     trainer_stage "$1" "$stages/induction" "$PROSE/copy/prose_train.jsonl" "$stages/copy" "$COPY_STEPS" "$COPY_STEPS"
-    if [ "$DISTRACT_STEPS" -eq 0 ]; then
-        trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$NEEDLE_STEPS" \
-            "$WIDE_SHIFT_FROM"
-        return
-    fi
-    trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$stages/needles" "$NEEDLE_STEPS" \
-        "$WIDE_SHIFT_FROM"
-    local distractors=()
+    # Stages 3-5 (4 and 5 when they have steps), each from the one before; the last one is the model.
+    local last=needles
+    [ "$DISTRACT_STEPS" -gt 0 ] && last=distractors
+    [ "$MULTIKEY_STEPS" -gt 0 ] && last=multikey
+    out_of() { if [ "$1" = "$last" ]; then echo "$OUT/prose_$attn"; else echo "$stages/$1"; fi; }
+    local attn=$1 distractors=()
     # shellcheck disable=SC2086  # DISTRACT_LAYERS is a list of words
     [ "$1" = ann ] && distractors=(--ann_retrieval_layers $DISTRACT_LAYERS --ann_batch_distractors
         --ann_distractor_memory "$DISTRACT_MEMORY")
-    trainer_stage "$1" "$stages/needles/model" "$PROSE/needles/prose_train.jsonl" "$OUT/prose_$1" "$DISTRACT_STEPS" \
-        0 "${distractors[@]}"
+    trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$(out_of needles)" "$NEEDLE_STEPS" \
+        "$WIDE_SHIFT_FROM"
+    local from
+    from="$(out_of needles)/model"
+    if [ "$DISTRACT_STEPS" -gt 0 ]; then
+        trainer_stage "$1" "$from" "$PROSE/needles/prose_train.jsonl" "$(out_of distractors)" "$DISTRACT_STEPS" \
+            0 "${distractors[@]}"
+        from="$(out_of distractors)/model"
+    fi
+    if [ "$MULTIKEY_STEPS" -gt 0 ]; then
+        trainer_stage "$1" "$from" "$PROSE/multikey/prose_train.jsonl" "$OUT/prose_$1" "$MULTIKEY_STEPS" \
+            0 "${distractors[@]}"
+    fi
 }
 
 # shellcheck disable=SC2086  # ATTNS is a list of words
 for attn in $ATTNS; do
-    echo "training the $attn model: $INDUCTION_STEPS + $COPY_STEPS + $NEEDLE_STEPS + $DISTRACT_STEPS steps"
+    echo "training the $attn model: $INDUCTION_STEPS + $COPY_STEPS + $NEEDLE_STEPS + $DISTRACT_STEPS + $MULTIKEY_STEPS steps"
     train "$attn"
 done
 

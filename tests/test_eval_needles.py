@@ -5,6 +5,7 @@ scripts/probe_repeats.py (loss on held-out passages read again) and scripts/prob
 (where selection ranks the needle's block)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -392,6 +393,21 @@ def test_probe_selection_answer_mode_probes_every_answer_token(trained, corpus_d
     for row in result["rows"]:
         assert 0.0 <= row["p_correct"] <= 1.0 and row["argmax"] in (0.0, 0.5, 1.0) and 1 <= row["trials"] <= 2
         assert 1 <= row["max_logit_median_rank"] <= row["candidates"]
+
+
+def test_probe_selection_of_multikey_prompts_ranks_the_asked_labels_number(trained, corpus_dir, tmp_path, capsys):
+    """--task multikey probes eval_needles.py's multikey prompts of the same seed: the number it
+    follows is the asked label's, and a bad --num_keys is refused."""
+    common = ["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2", "--seed", "3"]
+    assert probe_selection.main([*common, "--task", "multikey", "--num_keys", "3", "--answer"]) == 0
+    probed = re.findall(r"^(en|zh) 300 depth [0-9.]+ (\d+): p_correct", capsys.readouterr().out, flags=re.M)
+    json_path = tmp_path / "multikey.json"
+    assert eval_needles.main([*common, "--tasks", "multikey", "--num_keys", "3", "--retrievals", "exact",
+                              "--json", str(json_path)]) == 0
+    asked = [(trial["lang"], str(trial["values"][0])) for trial in json.loads(json_path.read_text())["trials"]]
+    assert len(probed) == 4 and sorted(probed) == sorted(asked)
+    assert probe_selection.main([*common, "--task", "multikey", "--num_keys", "9"]) == 2
+    assert "--num_keys must lie in 2..8, got 9" in capsys.readouterr().err
 
 
 def test_probe_selection_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):

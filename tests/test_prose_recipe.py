@@ -1,4 +1,4 @@
-"""scripts/train_prose_long_context.sh end to end, tiny: data mixes, the four training stages, the
+"""scripts/train_prose_long_context.sh end to end, tiny: data mixes, the five training stages, the
 needle and held-out-loss evaluations and the collected results, on a stand-in corpus."""
 
 import json
@@ -25,15 +25,22 @@ def run_recipe(tmp_path, **settings):
 
 
 def test_the_recipe_trains_all_three_needle_tasks_and_reports_them(tmp_path):
-    done = run_recipe(tmp_path, NEEDLE_TASKS="single multikey multivalue", NEEDLE_MIN_TOKENS="280")
+    done = run_recipe(tmp_path, NEEDLE_TASKS="single multikey multivalue", NEEDLE_MIN_TOKENS="280", MULTIKEY_STEPS="3")
     assert done.returncode == 0, done.stdout + done.stderr
     mix = json.loads((tmp_path / "data" / "needles" / "prose_data.json").read_text())
     assert set(mix["needle_documents_by_task"]) == {"single", "multikey", "multivalue"}
     assert mix["args"]["needle_min_tokens"] == 280
     copy_mix = json.loads((tmp_path / "data" / "copy" / "prose_data.json").read_text())
     assert set(copy_mix["needle_documents_by_task"]) == {"single"} and copy_mix["args"]["needle_min_tokens"] == 112
+    multikey_mix = json.loads((tmp_path / "data" / "multikey" / "prose_data.json").read_text())
+    assert set(multikey_mix["needle_documents_by_task"]) == {"multikey"}
+    # Stages 3 and 4 (2 steps each) stay in stages/, stage 5 (3 steps, from stage 4's model) is the model.
+    stages = tmp_path / "out" / "prose_ann" / "stages"
+    for stage, steps in (("needles", 2), ("distractors", 2)):
+        assert json.loads((stages / stage / "metrics.jsonl").read_text().splitlines()[-1])["step"] == steps
+    assert f"starting from {stages / 'distractors' / 'model'})" in (tmp_path / "out" / "prose_ann.log").read_text()
     last_stage = [json.loads(line) for line in (tmp_path / "out" / "prose_ann" / "metrics.jsonl").read_text().splitlines()]
-    assert last_stage[-1]["step"] == 2
+    assert last_stage[-1]["step"] == 3
     results = tmp_path / "out" / "results"
     needles = json.loads((results / "needles.json").read_text())["rows"]
     assert {row["task"] for row in needles} == {"single", "multikey", "multivalue"}
