@@ -279,6 +279,18 @@ def score(needles, text):
     return float(bool(numbers) and numbers[0] == needles.values[0])
 
 
+def other_values(needles):
+    """The numbers of every label but the asked one, in text order (multikey's distractors)."""
+    return tuple(value for label, value, _ in needles.ordered() if label != needles.asked)
+
+
+def answered_other_key(needles, text):
+    """True when the answer's first integer is another label's number: the model copied a
+    distractor, rather than garbling or inventing a number."""
+    numbers = parse_numbers(text)
+    return bool(numbers) and numbers[0] in other_values(needles)
+
+
 # ----------------------------------------------------------------------------- documents in a haystack
 
 

@@ -46,7 +46,8 @@ from common.cpu_memory import retain_freed_memory
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
                                 load_model, resolve_load_path, training_seed)
-from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, score, shortest_prompt
+from evaluation.needles import (KEY_RANGE, TASKS, answer, answered_other_key, build_prompt, draw_needles, other_values,
+                                score, shortest_prompt)
 from evaluation.reports import plot_needles, write_results
 from evaluation.selection import value_position
 from evaluation.trials import join_trial_group, ranks_peak_rss_mb, run_trial, spread_depths, trial_rng
@@ -88,8 +89,8 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                         trial = {"task": task, "lang": lang, "length": length, "retrieval": retrieval,
                                  "selection": selection_of(model), "depth": depth,
                                  "seed": model_seed, "needle_seed": args.seed, "values": list(needles.values),
-                                 "answer": text,
-                                 "correct": correct, "prompt_tokens": len(ids), "value_token": asked_token,
+                                 "other_values": list(other_values(needles)), "answer": text,
+                                 "correct": correct, "answered_other_key": answered_other_key(needles, text), "prompt_tokens": len(ids), "value_token": asked_token,
                                  "heldout_tokens": span.heldout_tokens,
                                  "wrapped": span.wrapped, "prefill_seconds": round(prefill_s, 4),
                                  "answer_seconds": round(total_s - prefill_s, 4)}
@@ -119,6 +120,7 @@ def summary_row(trials, retrieval, peak_rss_per_rank):
         "selection": first["selection"],
         "seed": first["seed"], "needle_seed": first["needle_seed"],
         "accuracy": float(np.mean([trial["correct"] for trial in trials])), "trials": len(trials),
+        "answered_other_key": float(np.mean([trial["answered_other_key"] for trial in trials])),
         "prefill_seconds": round(float(np.mean([trial["prefill_seconds"] for trial in trials])), 4),
         "answer_seconds": round(float(np.mean([trial["answer_seconds"] for trial in trials])), 4),
         "heldout_fraction": round(sum(t["heldout_tokens"] for t in trials) / sum(t["prompt_tokens"] for t in trials), 4),
@@ -128,11 +130,11 @@ def summary_row(trials, retrieval, peak_rss_per_rank):
 
 
 def print_table(rows):
-    print(f"\n{'task':<10} {'lang':<4} {'retrieval':<9} {'length':>8} {'accuracy':>9} {'trials':>7} "
+    print(f"\n{'task':<10} {'lang':<4} {'retrieval':<9} {'length':>8} {'accuracy':>9} {'trials':>7} {'other key':>9} "
           f"{'prefill s':>10} {'answer s':>9} {'held out':>9} {'peak MB':>8}")
     for row in rows:
         print(f"{row['task']:<10} {row['lang']:<4} {row['retrieval'] or 'dense':<9} {row['length']:>8} "
-              f"{row['accuracy']:>9.2f} {row['trials']:>7} {row['prefill_seconds']:>10.2f} {row['answer_seconds']:>9.2f} "
+              f"{row['accuracy']:>9.2f} {row['trials']:>7} {row['answered_other_key']:>9.2f} {row['prefill_seconds']:>10.2f} {row['answer_seconds']:>9.2f} "
               f"{row['heldout_fraction']:>9.2f} {row['peak_rss_mb']:>8.0f}")
 
 

@@ -72,8 +72,10 @@ def test_eval_needles_writes_rows_per_task_and_retrieval(trained, corpus_dir, tm
         assert row["trials"] == len(group) == 1 and row["needle_seed"] == 0
         assert row["seed"] == json.loads((trained / "training_args.json").read_text())["seed"] == 7
         assert row["accuracy"] == group[0]["correct"]
+        assert row["answered_other_key"] == group[0]["answered_other_key"] <= 1 - row["accuracy"]
         assert row["prefill_seconds"] > 0 and row["answer_seconds"] >= 0 and row["peak_rss_mb"] > 0
     for trial in trials:
+        assert (len(trial["other_values"]) > 0) == (trial["task"] == "multikey")
         assert abs(trial["prompt_tokens"] - trial["length"]) <= 40 and trial["heldout_tokens"] > 0
     # The same prompts for both retrievals: same needles per (task, lang, length, depth).
     by_retrieval = {r: [(t["task"], t["lang"], t["length"], t["depth"], t["values"]) for t in trials if t["retrieval"] == r]

@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 
 from dataset.prose import heldout_stream, read_corpus, training_stream
 from evaluation.needles import (
-    DIGITS_RANGE, KEY_RANGE, NEEDLE_TEXTS, TASKS, VALUE_RANGE, Needles, answer, build_prompt, draw_needles,
-    fit_pieces, inserted_text, key_sentence, parse_numbers, prompt_text, question, score, shortest_prompt,
-    training_documents,
+    DIGITS_RANGE, KEY_RANGE, NEEDLE_TEXTS, TASKS, VALUE_RANGE, Needles, answer, answered_other_key, build_prompt,
+    draw_needles, fit_pieces, inserted_text, key_sentence, other_values, parse_numbers, prompt_text, question, score,
+    shortest_prompt, training_documents,
 )
 from tests.prose_corpus import write_corpus
 
@@ -113,6 +113,15 @@ def test_a_right_answer_scores_and_a_wrong_one_does_not(task, lang):
     if task == "multivalue":
         assert score(needles, str(needles.values[0])) == 0.0  # one of several is not all
         assert score(needles, " " + " and ".join(map(str, reversed(needles.values)))) == 1.0
+
+
+def test_a_distractors_number_is_told_apart_from_a_made_up_one():
+    needles = Needles("multikey", "en", (("amber falcon", 12345, 0.7), ("quiet river", 678901, 0.2),
+                                         ("pale tower", 55555, 0.9)), "amber falcon")
+    assert other_values(needles) == (678901, 55555)
+    assert answered_other_key(needles, " 678901.") and answered_other_key(needles, " 55555, 12345")
+    assert not answered_other_key(needles, " 12345 678901") and not answered_other_key(needles, " 67890.")
+    assert not answered_other_key(needles, " the river")
 
 
 @pytest.mark.parametrize("text, numbers", [(" 4821937.", [4821937]), ("是4821937。", [4821937]),
