@@ -192,13 +192,6 @@ def answer(needles):
     return texts.joiner + texts.value_separator.join(map(str, needles.values)) + texts.answer_end
 
 
-def fixed_text(needles):
-    """The text a document holds whatever its haystack: instruction, key sentences and question."""
-    texts = NEEDLE_TEXTS[needles.lang]
-    keys = [key_sentence(needles, label, value) for label, value, _ in needles.ordered()]
-    return texts.joiner.join([texts.intro, *keys, question(needles)])
-
-
 def prompt_text(needles, pieces):
     """Instruction, the haystack pieces with each key sentence after round(depth * len(pieces)) of
     them (at a sentence boundary), and the question."""
@@ -215,11 +208,6 @@ def prompt_text(needles, pieces):
         if index < len(pieces):
             parts.append(pieces[index])
     return "".join(parts).rstrip() + texts.joiner + question(needles)
-
-
-def document_text(needles, pieces):
-    """A training document: the prompt and its answer."""
-    return prompt_text(needles, pieces) + answer(needles)
 
 
 def fit_pieces(tokenizer, needles, span_texts, length, counts=None):
