@@ -134,7 +134,7 @@ def test_answers_are_worded_per_language():
     en = Needles("multivalue", "en", (("amber falcon", 12345, 0.1), ("amber falcon", 678901, 0.2)), "amber falcon")
     zh = Needles("multivalue", "zh", (("金色猎鹰", 12345, 0.1), ("金色猎鹰", 678901, 0.2)), "金色猎鹰")
     assert answer(en) == " 12345, 678901." and answer(zh) == "12345、678901。"
-    assert question(zh) == "金色猎鹰的特别魔法数字都有哪些？金色猎鹰的特别魔法数字是"
+    assert question(zh) == "特别魔法数字中，金色猎鹰都有哪些？特别魔法数字中，金色猎鹰是"
 
 
 @pytest.mark.parametrize("lang", LANGS)

@@ -128,7 +128,7 @@ def test_drills_are_a_share_of_the_needle_documents(corpus_dir, tmp_path):
     assert metadata["drill_documents"] == len(drills)
     assert metadata["needle_documents_by_task"]["multikey"] == sum(d["task"] == "multikey" for d in needles) - len(drills)
     for drill in drills:  # every key asked right after it, and one of them again at the end
-        questions = drill["text"].count("What is the special magic number") + drill["text"].count("的特别魔法数字是多少")
+        questions = drill["text"].count("What is the special magic number") + drill["text"].count("是多少？特别魔法数字中")
         keys = len(re.findall(r"\d{5,7}", drill["text"])) // 2
         assert questions == keys + 1, drill["text"]
 

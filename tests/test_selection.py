@@ -54,7 +54,7 @@ def test_a_target_in_the_window_is_no_candidate():
 def test_value_position_finds_the_numbers_first_token():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     for text, value in [("The special magic number for amber falcon is 4821937. And then", 4821937),
-                        ("金色猎鹰的特别魔法数字是95512。曹操", 95512)]:
+                        ("特别魔法数字中，金色猎鹰是95512。曹操", 95512)]:
         ids = tokenizer(text, add_special_tokens=False).input_ids
         start = value_position(tokenizer, ids, value)
         assert tokenizer.decode(ids[start:]).strip().startswith(str(value))
