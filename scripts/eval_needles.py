@@ -90,7 +90,8 @@ def evaluate(models, model_seed, tokenizer, streams, args, depths, group=None):
                                  "selection": selection_of(model), "depth": depth,
                                  "seed": model_seed, "needle_seed": args.seed, "values": list(needles.values),
                                  "other_values": list(other_values(needles)), "answer": text,
-                                 "correct": correct, "answered_other_key": answered_other_key(needles, text), "prompt_tokens": len(ids), "value_token": asked_token,
+                                 "correct": correct, "answered_other_key": answered_other_key(needles, text),
+                                 "prompt_tokens": len(ids), "value_token": asked_token,
                                  "heldout_tokens": span.heldout_tokens,
                                  "wrapped": span.wrapped, "prefill_seconds": round(prefill_s, 4),
                                  "answer_seconds": round(total_s - prefill_s, 4)}
@@ -134,7 +135,8 @@ def print_table(rows):
           f"{'prefill s':>10} {'answer s':>9} {'held out':>9} {'peak MB':>8}")
     for row in rows:
         print(f"{row['task']:<10} {row['lang']:<4} {row['retrieval'] or 'dense':<9} {row['length']:>8} "
-              f"{row['accuracy']:>9.2f} {row['trials']:>7} {row['answered_other_key']:>9.2f} {row['prefill_seconds']:>10.2f} {row['answer_seconds']:>9.2f} "
+              f"{row['accuracy']:>9.2f} {row['trials']:>7} {row['answered_other_key']:>9.2f} "
+              f"{row['prefill_seconds']:>10.2f} {row['answer_seconds']:>9.2f} "
               f"{row['heldout_fraction']:>9.2f} {row['peak_rss_mb']:>8.0f}")
 
 
