@@ -85,17 +85,22 @@ def prefill(model, token_ids, chunk, cache=None):
 
 @torch.inference_mode()
 def teacher_forced(model, prompt_ids, answer_ids, chunk):
-    """((a,) the model's probability of each of the a answer tokens given the prompt and the answer
-    before it, (a,) whether that token is the most likely one): the prompt prefilled `chunk` tokens
-    at a time, then all but the answer's last token in one call (which equals decoding them one by one)."""
+    """(a, vocab): the model's next-token distribution before each of the a answer tokens, given the
+    prompt and the answer before it: the prompt prefilled `chunk` tokens at a time, then all but the
+    answer's last token in one call (which equals decoding them one by one)."""
     cache = model.new_cache()
     logits = [prefill(model, prompt_ids, chunk, cache)[None]]
     if len(answer_ids) > 1:
         following = torch.tensor([answer_ids[:-1]], device=model.device)
         logits.append(model(following, cache=cache, use_cache=True).logits[0])
-    logits = torch.cat(logits).float().cpu()
-    expected = torch.tensor(answer_ids)
-    return logits.softmax(dim=-1)[torch.arange(len(answer_ids)), expected], logits.argmax(dim=-1) == expected
+    return torch.cat(logits).float().cpu().softmax(dim=-1)
+
+
+def token_chances(distributions, token_ids):
+    """distributions (a, vocab), a token id per row -> ((a,) each token's probability, (a,) whether it
+    is the most likely one)."""
+    expected = torch.tensor(token_ids)
+    return distributions[torch.arange(len(token_ids)), expected], distributions.argmax(dim=-1) == expected
 
 
 def rank_of(scores, target):
@@ -189,18 +194,40 @@ def value_position(tokenizer, token_ids, value):
     return None
 
 
-def copy_targets(tokenizer, answer_ids, number_position):
-    """[(label, prompt position)] per answer token: what it copies from the number the prompt spells
-    from number_position on (one token per digit, as the prose tokenizer splits numbers). Digit i
-    ("d1", "d2", ...) copies the number's digit i; a token before the number ("lead") its first
-    digit, a token after it ("end") its last."""
+def copy_targets(tokenizer, answer_ids, number_positions):
+    """[(label, prompt position)] per answer token: what it copies from the numbers the prompt spells,
+    the answer's k-th number from number_positions[k] on (an int: the answer holds one number), one
+    token per digit as the prose tokenizer splits numbers. Digit i of the first number ("d1", "d2",
+    ...) copies that number's digit i, a token before it ("lead") its first digit, the token after it
+    ("end") its last; a later number's labels carry its place ("n2.d1", ..., "n2.end"). Of the
+    tokens between two numbers the first is the earlier one's end, the others the later one's lead
+    (" 123, 456.": lead, d1-d3, end (","), n2.lead (" "), n2.d1-n2.d3, n2.end)."""
+    positions = [number_positions] if isinstance(number_positions, int) else list(number_positions)
     pieces = [tokenizer.decode([token]).strip() for token in answer_ids]
-    digits = [index for index, piece in enumerate(pieces) if piece.isdigit()]
-    if not digits or any(len(pieces[index]) != 1 for index in digits) or digits != list(range(digits[0], digits[-1] + 1)):
-        raise ValueError(f"the answer {pieces} does not spell one number a digit per token")
-    first, last = digits[0], digits[-1]
-    return [("lead", number_position) if index < first else ("end", number_position + last - first) if index > last
-            else (f"d{index - first + 1}", number_position + index - first) for index in range(len(answer_ids))]
+    runs = []  # [first, last] answer index of each number's digits
+    for index, piece in enumerate(pieces):
+        if piece.isdigit():
+            if runs and runs[-1][1] == index - 1:
+                runs[-1][1] = index
+            else:
+                runs.append([index, index])
+    if len(runs) != len(positions) or any(len(piece) != 1 for piece in pieces if piece.isdigit()):
+        count = "one number" if len(positions) == 1 else f"{len(positions)} numbers"
+        raise ValueError(f"the answer {pieces} does not spell {count} a digit per token")
+    targets = []
+    for index in range(len(answer_ids)):
+        number = sum(first <= index for first, _ in runs[1:])  # the number this token is, or follows
+        first, last = runs[number]
+        prefix = f"n{number + 1}." if number else ""
+        if first <= index <= last:
+            targets.append((f"{prefix}d{index - first + 1}", positions[number] + index - first))
+        elif index < first:
+            targets.append(("lead", positions[0]))
+        elif number + 1 < len(runs) and index > last + 1:  # between two numbers, after the end
+            targets.append((f"n{number + 2}.lead", positions[number + 1]))
+        else:
+            targets.append((f"{prefix}end", positions[number] + last - first))
+    return targets
 
 
 def model_keys(model, tokenizer, text_path, num_tokens, layers, chunk):

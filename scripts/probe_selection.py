@@ -5,7 +5,8 @@ among the blocks the answering query could retrieve, in every layer.
     python scripts/probe_selection.py --load out/prose_ann/model --lengths 16384 --langs zh --json out/selection.json
 
 The prompts are scripts/eval_needles.py's `single` prompts, or with --task multikey its
-multikey ones (--num_keys key sentences; the block ranked holds the asked label's number); the same
+multikey ones (--num_keys key sentences; the block ranked holds the asked label's number), or with
+--task multivalue its multivalue ones (the block ranked holds the label's first number); the same
 --seed gives the same needles and haystacks. Each is prefilled once; the query of its last token, which predicts the answer's
 first digit, ranks the block holding the number's first token among its candidate blocks three ways
 (evaluation/selection.py): by the summary score that selection uses, by the sum over a GQA group's
@@ -18,7 +19,12 @@ after the prompt and every answer token's query is probed: the block ranked is t
 prompt token it copies (a digit: the same digit of the number; the space or end mark around the
 number: its first or last digit), and the table adds the model's probability of that answer token
 (`p_correct`) and the share of prompts where it is the most likely one (`argmax`): where the copy
-breaks, and whether selection lost the block there. The model prefills with --retrieval
+breaks, and whether selection lost the block there. A multivalue answer lists every number of the
+label, so the k-th number's tokens are labelled n<k>.d1, ... (evaluation/selection.copy_targets),
+and each later number adds a row `n<k>.prev`: the query that predicts its first digit ranks the
+block of the number before it, and `p_correct` is the probability of repeating that number's first
+digit (prompts where the two numbers open with the same digit are left out of that row): does the
+query that should move on to the next number still find, and copy, the one it has written? The model prefills with --retrieval
 (exact, or hnsw for lengths where scoring every key is too slow). Per length, language and layer the
 table gives the mean candidates, the median rank and the share of (trial, kv head) pairs with the
 block in the top_n under each ranking, and `bounds_must_score`: the mean share of candidate
@@ -42,10 +48,10 @@ from common.cli import OneLineParser, UsageError
 from dataset.prose import DEFAULT_DATA_DIR, LANGS, heldout_stream, read_corpus
 from evaluation.loading import (add_attention_overrides, add_run_arguments, apply_run_arguments, attention_overrides,
                                 load_model, resolve_load_path)
-from evaluation.needles import KEY_RANGE, answer, build_prompt, draw_needles, shortest_prompt
+from evaluation.needles import KEY_RANGE, TASKS, answer, build_prompt, draw_needles, shortest_prompt
 from evaluation.reports import plot_selection, write_results
 from evaluation.selection import (RANKINGS, block_scores, bounds_must_score, copy_targets, prefill, record_layers,
-                                  target_ranks, teacher_forced, value_position)
+                                  target_ranks, teacher_forced, token_chances, value_position)
 from evaluation.trials import spread_depths, trial_rng
 
 
@@ -56,8 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt lengths in tokens")
     p.add_argument("--langs", nargs="+", choices=LANGS, default=list(LANGS))
     p.add_argument("--trials", type=int, default=8, help="prompts per language and length, depths spread over 0..1")
-    p.add_argument("--task", choices=("single", "multikey"), default="single",
-                   help="needle task of the prompts (multikey: the asked label's number is the needle)")
+    p.add_argument("--task", choices=TASKS, default="single",
+                   help="needle task of the prompts (multikey: the asked label's number is the needle; multivalue: "
+                        "the label's numbers)")
     p.add_argument("--num_keys", type=int, default=4, help="key sentences of a multikey prompt (as eval_needles.py)")
     p.add_argument("--prefill_chunk", type=int, default=4096, help="prompt tokens per prefill step; 0 = all at once")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles and haystacks (as eval_needles.py)")
@@ -84,16 +91,16 @@ def parse_args(argv=None):
 def probe_prompt(model, recorders, ids, answer_ids, targets, prefill_chunk, hnsw):
     """Prefill ids, then teacher-force answer_ids (may be empty); targets [(query position, target
     position)] -> ({layer: [({ranking: ranks (g,)} or None, candidates, HNSW build seconds,
-    bounds_must_score (g,)) per target]}, teacher_forced's (probabilities, argmax) or None): each query
-    ranks the block of its target position (None: that block is in the query's window)."""
+    bounds_must_score (g,)) per target]}, teacher_forced's distributions (a, vocab) or None): each
+    query ranks the block of its target position (None: that block is in the query's window)."""
     for recorder in recorders.values():
         recorder.keys.clear()
         recorder.queries.clear()
     if answer_ids:
-        probabilities = teacher_forced(model, ids, answer_ids, prefill_chunk)
+        distributions = teacher_forced(model, ids, answer_ids, prefill_chunk)
     else:
         prefill(model, ids, prefill_chunk)
-        probabilities = None
+        distributions = None
     config = model.config
     results = {}
     for layer, recorder in recorders.items():
@@ -106,7 +113,7 @@ def probe_prompt(model, recorders, ids, answer_ids, targets, prefill_chunk, hnsw
             must_score = bounds_must_score(query, keys[0], scores["max_logit"], config.ann_block_size, config.ann_top_n)
             results[layer].append((target_ranks(scores, target_position, config.ann_block_size), scores["summary"].shape[1],
                                    building, must_score))
-    return results, probabilities
+    return results, distributions
 
 
 def summary_rows(collected, probabilities, top_n, rankings):
@@ -131,22 +138,38 @@ def summary_rows(collected, probabilities, top_n, rankings):
 
 
 def label_order(label):
-    """copy_targets' labels in answer order: lead, d1, d2, ..., end (None: the default probe's one row)."""
-    if label in (None, "lead"):
-        return 0
-    return float("inf") if label == "end" else int(label[1:])
+    """copy_targets' labels in answer order, each number's `prev` row after its d1: lead, d1, ..., end,
+    n2.lead, n2.d1, n2.prev, n2.d2, ... (None: the default probe's one row)."""
+    if label is None:
+        return (1, 0)
+    number, _, token = label.rpartition(".")
+    within = {"lead": 0, "prev": 1.5, "end": float("inf")}.get(token)
+    return (int(number[1:]) if number else 1, int(token[1:]) if within is None else within)
 
 
 def print_table(rows, top_n, rankings):
     names = " ".join(f"{ranking + ' rank':>15} {'top ' + str(top_n):>7}" for ranking in rankings)
     per_token = "answer_token" in rows[0] if rows else False
-    extra = f" {'token':>5} {'p_correct':>9} {'argmax':>6}" if per_token else ""
+    extra = f" {'token':>7} {'p_correct':>9} {'argmax':>6}" if per_token else ""
     print(f"{'length':>7} {'lang':<4} {'layer':>5}{extra} {'trials':>6} {'blocks':>7} {names} {'must score':>10}")
     for row in rows:
         cells = " ".join(f"{row[ranking + '_median_rank']:>15.1f} {row[ranking + '_in_top_n']:>7.2f}" for ranking in rankings)
-        extra = f" {row['answer_token']:>5} {row['p_correct']:>9.3f} {row['argmax']:>6.2f}" if per_token else ""
+        extra = f" {row['answer_token']:>7} {row['p_correct']:>9.3f} {row['argmax']:>6.2f}" if per_token else ""
         print(f"{row['length']:>7} {row['lang']:<4} {row['layer']:>5}{extra} {row['trials']:>6} {row['candidates']:>7.1f} "
               f"{cells} {row['bounds_must_score']:>10.2f}")
+
+
+def repeated_numbers(labels, numbers, prompt_ids, answer_ids):
+    """[(k, answer index of number k's first digit, the first digit token of number k-1 in the prompt)]
+    for each later number k >= 2 of the answer whose first digit differs from the one before it:
+    where the query that should move on to number k could instead repeat number k-1."""
+    repeats = []
+    for number in range(2, len(numbers) + 1):
+        index = labels.index(f"n{number}.d1")
+        previous = prompt_ids[numbers[number - 2]]
+        if previous != answer_ids[index]:
+            repeats.append((number, index, previous))
+    return repeats
 
 
 def main(argv=None):
@@ -177,26 +200,34 @@ def main(argv=None):
                 needles = draw_needles(rng, args.task, lang, depth, num_keys=args.num_keys if args.task == "multikey" else None)
                 stream = streams[lang]
                 ids, _ = build_prompt(tokenizer, stream, needles, length, rng.randrange(stream.rotate))
-                number = value_position(tokenizer, ids, needles.values[0])
-                if number is None:
-                    raise RuntimeError(f"the {lang} prompt of {length} tokens does not spell {needles.values[0]}")
+                numbers = [value_position(tokenizer, ids, value) for value in needles.values]
+                if None in numbers:
+                    raise RuntimeError(f"the {lang} prompt of {length} tokens does not spell {needles.values}")
                 if args.answer:
                     answer_ids = tokenizer(answer(needles), add_special_tokens=False).input_ids
-                    labels, copied = zip(*copy_targets(tokenizer, answer_ids, number))
+                    labels, copied = zip(*copy_targets(tokenizer, answer_ids, numbers))
                     targets = list(enumerate(copied, start=len(ids) - 1))
+                    repeats = repeated_numbers(labels, numbers, ids, answer_ids)
+                    labels += tuple(f"n{number}.prev" for number, _, _ in repeats)
+                    targets += [(len(ids) - 1 + index, numbers[number - 2]) for number, index, _ in repeats]
                 else:
-                    answer_ids, labels, targets = [], [None], [(len(ids) - 1, number)]
-                results, chances = probe_prompt(model, recorders, ids, answer_ids, targets, args.prefill_chunk, hnsw)
-                if chances is not None:
+                    answer_ids, labels, targets, repeats = [], [None], [(len(ids) - 1, numbers[0])], []
+                results, distributions = probe_prompt(model, recorders, ids, answer_ids, targets, args.prefill_chunk, hnsw)
+                if distributions is not None:
+                    chances = token_chances(distributions, answer_ids)
                     print(f"{lang} {length} depth {depth:.2f} {needles.values[0]}: p_correct per answer token "
                           + " ".join(f"{value:.2f}" for value in chances[0].tolist()))
+                    if repeats:
+                        repeated = token_chances(distributions[[index for _, index, _ in repeats]],
+                                                 [token for _, _, token in repeats])
+                        chances = tuple(torch.cat(pair) for pair in zip(chances, repeated))
                     for label, outcome in zip(labels, zip(*(part.tolist() for part in chances))):
                         probabilities.setdefault((length, lang, label), []).append(outcome)
                 for layer, entries in results.items():
-                    if chances is not None:
+                    if distributions is not None:
                         print(f"  layer {layer}: best-key rank of the copied block per answer token (kv heads) "
                               + " ".join("-" if entry[0] is None else "/".join(map(str, entry[0]["max_logit"].tolist()))
-                                         for entry in entries))
+                                         for entry in entries[: len(answer_ids)]))
                     for label, entry in zip(labels, entries):
                         if entry[0] is None or entry[3] is None:
                             skipped += 1

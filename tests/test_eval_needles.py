@@ -412,6 +412,28 @@ def test_probe_selection_of_multikey_prompts_ranks_the_asked_labels_number(train
     assert "--num_keys must lie in 2..8, got 9" in capsys.readouterr().err
 
 
+def test_probe_selection_of_multivalue_prompts_probes_each_number_and_its_repeat(trained, corpus_dir, tmp_path, capsys):
+    """--task multivalue --answer: rows for every number of the list (n2.d1, ...) and, for a later number,
+    the `prev` row: the block of the number before it and the probability of repeating its first digit."""
+    json_path = tmp_path / "multivalue.json"
+    common = ["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2", "--seed", "5"]
+    assert probe_selection.main([*common, "--task", "multivalue", "--answer", "--json", str(json_path)]) == 0
+    probed = re.findall(r"^(en|zh) 300 depth [0-9.]+ (\d+): p_correct", capsys.readouterr().out, flags=re.M)
+    rows = json.loads(json_path.read_text())["rows"]
+    for lang in ("en", "zh"):
+        labels = [row["answer_token"] for row in rows if row["lang"] == lang]
+        assert "n2.d1" in labels and labels.index("n2.d1") < labels.index("n2.d2")
+        if "n2.prev" in labels:
+            assert labels.index("n2.prev") == labels.index("n2.d1") + 1
+    assert any(row["answer_token"].endswith(".prev") for row in rows)
+    for row in rows:
+        assert 0.0 <= row["p_correct"] <= 1.0 and 1 <= row["max_logit_median_rank"] <= row["candidates"]
+    trials_path = tmp_path / "multivalue_eval.json"
+    assert eval_needles.main([*common, "--tasks", "multivalue", "--retrievals", "exact", "--json", str(trials_path)]) == 0
+    asked = [(trial["lang"], str(trial["values"][0])) for trial in json.loads(trials_path.read_text())["trials"]]
+    assert len(probed) == 4 and sorted(probed) == sorted(asked)
+
+
 def test_probe_selection_refuses_a_dense_model(trained, corpus_dir, capsys, monkeypatch):
     original = probe_selection.load_model
     monkeypatch.setattr(probe_selection, "load_model",

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from evaluation.selection import (block_scores, bounds_must_score, copy_targets, hnsw_key_scores, prefill,
-                                  record_layers, target_ranks, teacher_forced, value_position)
+                                  record_layers, target_ranks, teacher_forced, token_chances, value_position)
 from model import MiniMindConfig, MiniMindForCausalLM
 from model.ann_attention import logn_scale
 
@@ -77,6 +77,26 @@ def test_copy_targets_point_each_answer_token_at_the_digit_it_copies():
             raise AssertionError(f"{text!r} was accepted")
 
 
+def test_copy_targets_of_a_list_label_each_number_by_its_place():
+    """A multivalue answer: the k-th number's digits copy the k-th prompt number's; between two
+    numbers the first token copies the earlier number's last digit, the rest the later one's first."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    english = tokenizer(" 123, 4567.", add_special_tokens=False).input_ids  # ' ', 1 2 3, ',', ' ', 4 5 6 7, '.'
+    assert copy_targets(tokenizer, english, [10, 40]) == (
+        [("lead", 10), ("d1", 10), ("d2", 11), ("d3", 12), ("end", 12), ("n2.lead", 40)]
+        + [(f"n2.d{i + 1}", 40 + i) for i in range(4)] + [("n2.end", 43)])
+    chinese = tokenizer("12、345、67。", add_special_tokens=False).input_ids
+    assert [label for label, _ in copy_targets(tokenizer, chinese, [5, 9, 30])] == [
+        "d1", "d2", "end", "n2.d1", "n2.d2", "n2.d3", "n2.end", "n3.d1", "n3.d2", "n3.end"]
+    assert copy_targets(tokenizer, chinese, [5, 9, 30])[3:7] == [("n2.d1", 9), ("n2.d2", 10), ("n2.d3", 11), ("n2.end", 11)]
+    try:
+        copy_targets(tokenizer, chinese, [5, 9])
+    except ValueError as error:
+        assert "does not spell 2 numbers a digit per token" in str(error)
+    else:
+        raise AssertionError("three numbers were taken for two")
+
+
 def test_teacher_forced_probabilities_equal_decoding_token_by_token():
     """The answer's probabilities from a chunked prefill and one teacher-forced call equal those of a
     whole prefill and feeding the answer one token at a time (float64 weights; the probabilities
@@ -93,7 +113,7 @@ def test_teacher_forced_probabilities_equal_decoding_token_by_token():
     # No token twice: capped keys are stored unrotated, so a repeated token's blocks would tie in layer 0.
     tokens = torch.randperm(256)[:76].tolist()
     prompt, answer = tokens[:70], tokens[70:]
-    probabilities, best = teacher_forced(model, prompt, answer, chunk=32)
+    probabilities, best = token_chances(teacher_forced(model, prompt, answer, chunk=32), answer)
     cache = model.new_cache()
     with torch.inference_mode():
         logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]]
