@@ -34,7 +34,8 @@
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
 # NEEDLE_STEPS (1200), DISTRACT_STEPS (0), MULTIKEY_STEPS (0), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), KEY_SHIFT (2: the
-# previous tokens a key mixes in; beyond the first they are the wide shift), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
+# previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (1: a query's; a key
+# matches the query of the token before it, so KEY_SHIFT = QUERY_SHIFT + 1 matches that many tokens), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
 # LR (1e-3), NEEDLE_TASKS ("single"), NEEDLE_MIN_TOKENS (112, as in stage 2: the shortest needle document of
 # stages 3 and 4; with multikey or multivalue it must hold their longest template, e.g. 280), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
 # BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
@@ -55,6 +56,7 @@ DISTRACT_MEMORY=${DISTRACT_MEMORY:-0}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
 WIDE_SHIFT_LR_SCALE=${WIDE_SHIFT_LR_SCALE:-1}
 KEY_SHIFT=${KEY_SHIFT:-2}
+QUERY_SHIFT=${QUERY_SHIFT:-1}
 HIDDEN=${HIDDEN:-128}
 LAYERS=${LAYERS:-4}
 WINDOW=${WINDOW:-16}
@@ -133,7 +135,7 @@ train() {  # $1: ann | dense. Everything but the attention is identical in the t
     local stages="$OUT/prose_$1/stages"
     mkdir -p "$stages"
     OMP_NUM_THREADS="$THREADS" python scripts/probe_induction.py --attn "$1" --hidden_size "$HIDDEN" \
-        --num_hidden_layers "$LAYERS" --ann_window "$WINDOW" --ann_top_n "$TOP_N" --key_shift "$KEY_SHIFT" --query_shift 1 \
+        --num_hidden_layers "$LAYERS" --ann_window "$WINDOW" --ann_top_n "$TOP_N" --key_shift "$KEY_SHIFT" --query_shift "$QUERY_SHIFT" \
         --hold_wide_shift --min_span 20 --max_span 64 --length 256 --batch 16 --lr "$LR" --steps "$INDUCTION_STEPS" \
         --block_summary "$BLOCK_SUMMARY" --seed "$SEED" --threads "$THREADS" --json "$stages/induction.json" \
         --save "$stages/induction" \

@@ -463,8 +463,8 @@ def ann_model(retrieval="exact", **overrides):
     return model
 
 
-# (key_shift, query_shift): none, the one-token smeared key, two- and three-token keys with one-token queries
-TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1), (3, 1)]
+# (key_shift, query_shift): none, the one-token smeared key, two-token keys with one-token queries, three with two
+TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1), (3, 2)]
 
 
 @pytest.mark.parametrize("key_shift,query_shift", TOKEN_SHIFTS)
