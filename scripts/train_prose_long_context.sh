@@ -107,10 +107,12 @@ if [ "$MULTIKEY_STEPS" -gt 0 ]; then  # stage 5: the stage-3 mix with multikey d
         --copy_documents "$NEEDLE_COPY_DOCS" --seed 7
 fi
 mkdir -p "$OUT"
-# HNSW settings saved with the models: graphs over keys as measured in docs/LONG_CONTEXT.md (HNSW
-# over keys), graphs over bounds summaries with the passkey recipe's search breadth.
+# HNSW settings saved with the models: graphs over keys as the long-context evaluations use them
+# (docs/LONG_CONTEXT.md, Fewer keys per search: 32 keys per head, efSearch 32), graphs over bounds
+# summaries with the passkey recipe's search breadth.
 hnsw_settings=(--hnsw_ef_search 256)
-[ "$BLOCK_SUMMARY" = keys ] && hnsw_settings=(--hnsw_m 16 --hnsw_ef_construction 64 --hnsw_ef_search 64)
+[ "$BLOCK_SUMMARY" = keys ] && hnsw_settings=(--hnsw_m 16 --hnsw_ef_construction 64 --hnsw_ef_search 32
+    --hnsw_keys_per_head 32)
 
 trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5: steps, $6: wide shift from,
     # then extra trainer flags

@@ -25,8 +25,13 @@ def run_recipe(tmp_path, **settings):
 
 
 def test_the_recipe_trains_all_three_needle_tasks_and_reports_them(tmp_path):
-    done = run_recipe(tmp_path, NEEDLE_TASKS="single multikey multivalue", NEEDLE_MIN_TOKENS="280", MULTIKEY_STEPS="3")
+    done = run_recipe(tmp_path, NEEDLE_TASKS="single multikey multivalue", NEEDLE_MIN_TOKENS="280", MULTIKEY_STEPS="3",
+                      KEY_SHIFT="3", QUERY_SHIFT="2", BLOCK_SUMMARY="keys")
     assert done.returncode == 0, done.stdout + done.stderr
+    # The token shifts reach the model from stage 1 on; the HNSW settings saved are the evaluations'.
+    config = json.loads((tmp_path / "out" / "prose_ann" / "model" / "config.json").read_text())
+    assert (config["key_shift"], config["query_shift"], config["ann_block_summary"]) == (3, 2, "keys")
+    assert (config["hnsw_ef_search"], config["hnsw_keys_per_head"]) == (32, 32)
     mix = json.loads((tmp_path / "data" / "needles" / "prose_data.json").read_text())
     assert set(mix["needle_documents_by_task"]) == {"single", "multikey", "multivalue"}
     assert mix["args"]["needle_min_tokens"] == 280
