@@ -241,6 +241,9 @@ def main(argv=None):
     print(f"model: {path}; {asked} (blocks of {model.config.ann_block_size} tokens) among its candidates, per kv head; "
           f"top {top_n} is what it retrieves")
     print_table(rows, top_n, rankings)
+    if any(str(row.get("answer_token")).endswith(".prev") for row in rows):
+        print("n<k>.prev: the query of number k's first digit ranks the block of number k-1; its p_correct and argmax "
+              "are those of repeating number k-1's first digit")
     if skipped:
         print(f"{skipped} (query, layer) pairs had the needle in the window or at most top_n candidates "
               "and are left out")
