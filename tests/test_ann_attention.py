@@ -556,9 +556,9 @@ def test_previous_inputs_in_chunks_equal_the_whole_sequence():
 
 def test_old_configs_with_a_key_shift_switch_mean_one_token():
     assert MiniMindConfig(key_shift=True).key_shift == 1 and MiniMindConfig(key_shift=False).key_shift == 0
-    with pytest.raises(ValueError, match="key_shift must be an integer in 0..2"):
-        MiniMindConfig(key_shift=3)
-    with pytest.raises(ValueError, match="query_shift must be an integer in 0..2"):
+    with pytest.raises(ValueError, match="key_shift must be an integer in 0..3"):
+        MiniMindConfig(key_shift=4)
+    with pytest.raises(ValueError, match="query_shift must be an integer in 0..3"):
         MiniMindConfig(query_shift=-1)
 
 
