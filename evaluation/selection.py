@@ -196,13 +196,13 @@ def value_position(tokenizer, token_ids, value):
 
 def copy_targets(tokenizer, answer_ids, number_positions):
     """[(label, prompt position)] per answer token: what it copies from the numbers the prompt spells,
-    the answer's k-th number from number_positions[k] on (an int: the answer holds one number), one
-    token per digit as the prose tokenizer splits numbers. Digit i of the first number ("d1", "d2",
+    the answer's k-th number from number_positions[k] on, one token per digit as the prose tokenizer
+    splits numbers. Digit i of the first number ("d1", "d2",
     ...) copies that number's digit i, a token before it ("lead") its first digit, the token after it
     ("end") its last; a later number's labels carry its place ("n2.d1", ..., "n2.end"). Of the
     tokens between two numbers the first is the earlier one's end, the others the later one's lead
     (" 123, 456.": lead, d1-d3, end (","), n2.lead (" "), n2.d1-n2.d3, n2.end)."""
-    positions = [number_positions] if isinstance(number_positions, int) else list(number_positions)
+    positions = list(number_positions)
     pieces = [tokenizer.decode([token]).strip() for token in answer_ids]
     runs = []  # [first, last] answer index of each number's digits
     for index, piece in enumerate(pieces):

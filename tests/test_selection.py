@@ -65,12 +65,12 @@ def test_value_position_finds_the_numbers_first_token():
 def test_copy_targets_point_each_answer_token_at_the_digit_it_copies():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     english = tokenizer(" 4821937.", add_special_tokens=False).input_ids  # ' ', seven digits, '.'
-    assert copy_targets(tokenizer, english, 50) == [("lead", 50)] + [(f"d{i + 1}", 50 + i) for i in range(7)] + [("end", 56)]
+    assert copy_targets(tokenizer, english, [50]) == [("lead", 50)] + [(f"d{i + 1}", 50 + i) for i in range(7)] + [("end", 56)]
     chinese = tokenizer("95512。", add_special_tokens=False).input_ids
-    assert copy_targets(tokenizer, chinese, 9) == [(f"d{i + 1}", 9 + i) for i in range(5)] + [("end", 13)]
+    assert copy_targets(tokenizer, chinese, [9]) == [(f"d{i + 1}", 9 + i) for i in range(5)] + [("end", 13)]
     for text in ("no number.", " 12 and 34."):
         try:
-            copy_targets(tokenizer, tokenizer(text, add_special_tokens=False).input_ids, 0)
+            copy_targets(tokenizer, tokenizer(text, add_special_tokens=False).input_ids, [0])
         except ValueError as error:
             assert "does not spell one number a digit per token" in str(error)
         else:
