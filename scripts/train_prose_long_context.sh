@@ -15,8 +15,8 @@
 #      rows' blocks (and, with DISTRACT_MEMORY > 0, those of that many earlier batches); the dense
 #      control trains the same steps on the same data;
 #   5. multikey (MULTIKEY_STEPS > 0): needle documents that are all multikey (2-8 labelled numbers, one
-#      asked), with the stage-4 flags, so the label is the only thing that tells the answer; in the
-#      mixed stages a copy of any key's number lowers most of the loss.
+#      asked; MULTIKEY_TASKS may add multivalue), with the stage-4 flags, so the label is the only
+#      thing that tells the answer; in the mixed stages a copy of any key's number lowers most of the loss.
 # Then both are evaluated: needles in held-out prose (scripts/eval_needles.py) and held-out loss by
 # position (scripts/eval_perplexity.py), collected in $OUT/results (scripts/collect_long_context.py).
 #
@@ -32,7 +32,8 @@
 # not the recipe's.
 #
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
-# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), MULTIKEY_STEPS (0), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
+# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), MULTIKEY_STEPS (0), MULTIKEY_TASKS ("multikey": the needle tasks of stage 5;
+# "multikey multivalue" keeps answers of several numbers in the last stage), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
 # stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), KEY_SHIFT (2: the
 # previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (1: a query's; a key
 # matches the query of the token before it, so KEY_SHIFT = QUERY_SHIFT + 1 matches that many tokens), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
@@ -51,6 +52,7 @@ COPY_STEPS=${COPY_STEPS:-600}
 NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
 DISTRACT_STEPS=${DISTRACT_STEPS:-0}
 MULTIKEY_STEPS=${MULTIKEY_STEPS:-0}
+MULTIKEY_TASKS=${MULTIKEY_TASKS:-multikey}
 DISTRACT_LAYERS=${DISTRACT_LAYERS:-1}
 DISTRACT_MEMORY=${DISTRACT_MEMORY:-0}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
@@ -102,8 +104,9 @@ build_mix() {  # $1: folder, then make_prose_data.py flags of this mix
 build_mix "$PROSE/copy" --needle_min_tokens "$COPY_MIX_MIN_TOKENS" --needle_fraction 0.3 --repeat_fraction 0.5 --tasks single --copy_documents "$COPY_DOCS" --seed 5
 # shellcheck disable=SC2086  # NEEDLE_TASKS is a list of words
 build_mix "$PROSE/needles" --needle_min_tokens "$NEEDLE_MIN_TOKENS" --needle_fraction 0.8 --tasks $NEEDLE_TASKS --copy_documents "$NEEDLE_COPY_DOCS" --seed 6
-if [ "$MULTIKEY_STEPS" -gt 0 ]; then  # stage 5: the stage-3 mix with multikey documents alone
-    build_mix "$PROSE/multikey" --needle_min_tokens "$MULTIKEY_MIX_MIN_TOKENS" --needle_fraction 0.8 --tasks multikey \
+if [ "$MULTIKEY_STEPS" -gt 0 ]; then  # stage 5: the stage-3 mix with multikey (MULTIKEY_TASKS) documents alone
+    # shellcheck disable=SC2086  # MULTIKEY_TASKS is a list of words
+    build_mix "$PROSE/multikey" --needle_min_tokens "$MULTIKEY_MIX_MIN_TOKENS" --needle_fraction 0.8 --tasks $MULTIKEY_TASKS \
         --copy_documents "$NEEDLE_COPY_DOCS" --seed 7
 fi
 mkdir -p "$OUT"

@@ -26,7 +26,7 @@ def run_recipe(tmp_path, **settings):
 
 def test_the_recipe_trains_all_three_needle_tasks_and_reports_them(tmp_path):
     done = run_recipe(tmp_path, NEEDLE_TASKS="single multikey multivalue", NEEDLE_MIN_TOKENS="280", MULTIKEY_STEPS="3",
-                      KEY_SHIFT="3", QUERY_SHIFT="2", BLOCK_SUMMARY="keys")
+                      MULTIKEY_TASKS="multikey multivalue", KEY_SHIFT="3", QUERY_SHIFT="2", BLOCK_SUMMARY="keys")
     assert done.returncode == 0, done.stdout + done.stderr
     # The token shifts reach the model from stage 1 on; the HNSW settings saved are the evaluations'.
     config = json.loads((tmp_path / "out" / "prose_ann" / "model" / "config.json").read_text())
@@ -38,7 +38,7 @@ def test_the_recipe_trains_all_three_needle_tasks_and_reports_them(tmp_path):
     copy_mix = json.loads((tmp_path / "data" / "copy" / "prose_data.json").read_text())
     assert set(copy_mix["needle_documents_by_task"]) == {"single"} and copy_mix["args"]["needle_min_tokens"] == 112
     multikey_mix = json.loads((tmp_path / "data" / "multikey" / "prose_data.json").read_text())
-    assert set(multikey_mix["needle_documents_by_task"]) == {"multikey"}
+    assert set(multikey_mix["needle_documents_by_task"]) == {"multikey", "multivalue"}
     # Stages 3 and 4 (2 steps each) stay in stages/, stage 5 (3 steps, from stage 4's model) is the model.
     stages = tmp_path / "out" / "prose_ann" / "stages"
     for stage, steps in (("needles", 2), ("distractors", 2)):
