@@ -92,7 +92,7 @@ def make_passkey_training(rng, num_docs, drill_fraction=0.4, max_fillers=10, max
     A drill puts a copy target in every ~5th token, so the copying circuit forms in a few hundred
     steps; the documents then teach fetching the key from beyond the window. Asking several times
     multiplies the answers whose first digit must come from a retrieved block: with a 16-token
-    window that gave the recipe's model both halves of the copy (docs/LONG_CONTEXT.md), so the
+    window that gave the recipe's model both halves of the copy (docs/LONG_CONTEXT_EXPERIMENTS.md), so the
     recipe asks 1-4 times (max_questions 4).
     """
     for _ in range(num_docs):

@@ -10,7 +10,7 @@ and those again by whether the digit before them is repeated in the key) and by 
 key's last mention within the ANN window or beyond it; `--split N` splits at N tokens instead):
 evaluation/copying.py says how.
 Chance is ln 10 = 2.30 nats. A passkey model needs all four numbers near 0; the runs in
-docs/LONG_CONTEXT.md learned them in different orders, and this tells which one a checkpoint lacks.
+docs/LONG_CONTEXT_EXPERIMENTS.md learned them in different orders, and this tells which one a checkpoint lacks.
 """
 
 import argparse

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long-context recipe for 2 CPU cores: about 27 minutes of training per model (docs/LONG_CONTEXT.md).
+# Long-context recipe for 2 CPU cores: about 27 minutes of training per model (docs/LONG_CONTEXT_EXPERIMENTS.md).
 #
 # Trains the same small model on the passkey training mix (dataset/sample/passkey_train.jsonl:
 # passkey documents of ~100-400 tokens that ask for their key 1-4 times, and key drills) at
@@ -14,10 +14,10 @@
 # Settings (environment): ATTNS ("ann dense"), TRAIN_MINUTES (27 per model), STEPS (3300: the cosine
 # schedule's length, which ends inside the minutes at ~2 steps/s; a slower machine is stopped by the
 # minutes first), WIDE_SHIFT_FROM (2300: the step from which the two-token match trains; at or past
-# STEPS it never does), SEED (1: the run docs/LONG_CONTEXT.md reports; seed 42 scores 1.00 / 0.95 / 0.90 at 4k / 16k / 64k),
+# STEPS it never does), SEED (1: the run docs/LONG_CONTEXT_EXPERIMENTS.md reports; seed 42 scores 1.00 / 0.95 / 0.90 at 4k / 16k / 64k),
 # THREADS (2), EVAL_LENGTHS ("512 4096 16384"), EVAL_TRIALS (5 depths per length), OUT (out),
 # DATA (dataset/sample/passkey_train.jsonl; another mix: make_sample_data.py --passkey_max_questions,
-# --passkey_drill_fraction, as in docs/LONG_CONTEXT.md's experiments).
+# --passkey_drill_fraction, as in docs/LONG_CONTEXT_EXPERIMENTS.md's experiments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,7 +36,7 @@ DATA=${DATA:-$DEFAULT_DATA}
 # The default file is (re)written when missing or older than its generator (the script and the
 # passkey documents it writes) or this script, so it is never stale. Its documents ask for their key
 # 1-4 times: that teaches fetching the key's first digit, the half the 16-token window alone left
-# unlearned in one seed of two (docs/LONG_CONTEXT.md).
+# unlearned in one seed of two (docs/LONG_CONTEXT_EXPERIMENTS.md).
 stale() { for source in scripts/make_sample_data.py evaluation/passkey.py scripts/train_long_context.sh; do
     [ "$DATA" -nt "$source" ] || return 0; done; return 1; }
 if [ "$DATA" = "$DEFAULT_DATA" ] && stale; then
@@ -48,7 +48,7 @@ mkdir -p "$OUT"
 train() {  # $1: ann | dense. Everything but the attention is identical in the two runs.
     # Smeared keys and RoPE base 1e4: copying forms within the budget. A 16-token window: almost
     # every copy in the data must come through retrieved blocks, so the one way the model learns to
-    # copy is the way it copies at 64k (docs/LONG_CONTEXT.md). Dense attention ignores the window.
+    # copy is the way it copies at 64k (docs/LONG_CONTEXT_EXPERIMENTS.md). Dense attention ignores the window.
     # Keys smeared over one token until WIDE_SHIFT_FROM, then over two (and queries over one): the
     # one-token match forms the copy, the two-token match then tells repeated digits apart (22429).
     OMP_NUM_THREADS="$THREADS" python trainer/train_pretrain.py --attn "$1" --seed "$SEED" --data_path "$DATA" --out_dir "$OUT/long_$1" \

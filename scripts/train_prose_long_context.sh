@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Long context on real prose, for 2 CPU cores (docs/LONG_CONTEXT.md, "The prose recipe").
+# Long context on real prose, for 2 CPU cores (docs/LONG_CONTEXT.md).
 #
-# A copy curriculum in three to five stages, for one model with ANN attention (out/prose_ann) and, as the
-# control, the same model with dense attention (out/prose_dense), each alone on every core:
+# A copy curriculum in five stages (3 to 5 with DISTRACT_STEPS=0 or MULTIKEY_STEPS=0), for one model
+# with ANN attention (out/prose_ann) and, as the control, the same model with dense attention
+# (out/prose_dense), each alone on every core:
 #   1. induction: random token ids, one span repeated (scripts/probe_induction.py), where copying is
 #      the only thing to learn, so the content match (find the current token earlier, copy what
 #      followed) forms;
 #   2. copy: training prose with copy documents (random words of a stretch of prose, repeated) and
 #      single needles, which carries the copy over to real text;
-#   3. needles: mostly short needle documents over training prose, copy documents kept in the mix,
-#      the two-token key match training from WIDE_SHIFT_FROM;
-#   4. distractors (DISTRACT_STEPS > 0): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
+#   3. needles: mostly short needle documents of all three tasks over training prose, copy documents
+#      kept in the mix, the wide key match (three tokens) training from WIDE_SHIFT_FROM;
+#   4. distractors (DISTRACT_STEPS): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
 #      cross-batch distractors (--ann_batch_distractors), so a copy learns to win against the other
 #      rows' blocks (and, with DISTRACT_MEMORY > 0, those of that many earlier batches); the dense
 #      control trains the same steps on the same data;
-#   5. multikey (MULTIKEY_STEPS > 0): needle documents that are all multikey (2-8 labelled numbers, one
+#   5. multikey (MULTIKEY_STEPS): needle documents that are all multikey (2-8 labelled numbers, one
 #      asked; MULTIKEY_TASKS may add multivalue), with the stage-4 flags, so the label is the only
 #      thing that tells the answer; in the mixed stages a copy of any key's number lowers most of the loss.
 # Then both are evaluated: needles in held-out prose (scripts/eval_needles.py) and held-out loss by
@@ -22,9 +23,9 @@
 #
 #   bash scripts/train_prose_long_context.sh                      # ANN model, then the dense control
 #   ATTNS=ann SEED=2 bash scripts/train_prose_long_context.sh      # another seed of the ANN model
-#   INDUCTION_STEPS=3 COPY_STEPS=3 NEEDLE_STEPS=3 HIDDEN=32 LAYERS=1 BATCH=2 COPY_DOCS=40 NEEDLE_COPY_DOCS=20 \
-#       EVAL_LENGTHS=1024 EVAL_TRIALS=1 PPL_TOKENS=2048 OUT=/tmp/prose PROSE=/tmp/prose/data \
-#       bash scripts/train_prose_long_context.sh                   # smoke run
+#   INDUCTION_STEPS=3 COPY_STEPS=3 NEEDLE_STEPS=3 DISTRACT_STEPS=3 MULTIKEY_STEPS=3 HIDDEN=32 LAYERS=1 BATCH=2 \
+#       COPY_DOCS=40 NEEDLE_COPY_DOCS=20 EVAL_LENGTHS=1024 EVAL_TRIALS=1 PPL_TOKENS=2048 OUT=/tmp/prose \
+#       PROSE=/tmp/prose/data bash scripts/train_prose_long_context.sh   # smoke run
 #
 # The run is defined by its steps and schedules (constant rate in stage 1, a cosine schedule in each
 # trainer stage), the same on any machine (a slower one takes longer). SAFETY_MINUTES only guards
@@ -32,15 +33,20 @@
 # not the recipe's.
 #
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
-# NEEDLE_STEPS (1200), DISTRACT_STEPS (0), MULTIKEY_STEPS (0), MULTIKEY_TASKS ("multikey": the needle tasks of stage 5;
-# "multikey multivalue" keeps answers of several numbers in the last stage), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0: the step of stage 3 from which the two-token match trains;
-# stages 1 and 2 hold it), WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), KEY_SHIFT (2: the
-# previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (1: a query's; a key
-# matches the query of the token before it, so KEY_SHIFT = QUERY_SHIFT + 1 matches that many tokens), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
-# LR (1e-3), NEEDLE_TASKS ("single"), NEEDLE_MIN_TOKENS (112, as in stage 2: the shortest needle document of
-# stages 3 and 4; with multikey or multivalue it must hold their longest template, e.g. 280), COPY_DOCS (12000), NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120),
-# BLOCK_SUMMARY (bounds: how blocks are scored for retrieval in training and evaluation; keys scores
-# each block by its best keys, found by HNSW over keys in the hnsw evaluation), THREADS (2), DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
+# NEEDLE_STEPS (1200), DISTRACT_STEPS (1200; 0: no stage 4), MULTIKEY_STEPS (800; 0: no stage 5),
+# MULTIKEY_TASKS ("multikey": the needle tasks of stage 5; "multikey multivalue" keeps answers of
+# several numbers in the last stage), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0:
+# the step of stage 3 from which the wide key match trains; stages 1 and 2 hold it),
+# WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), KEY_SHIFT (3: the
+# previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (2: a
+# query's; a key matches the query of the token before it, so KEY_SHIFT = QUERY_SHIFT + 1 matches
+# that many tokens), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
+# LR (1e-3), NEEDLE_TASKS ("single multikey multivalue": the tasks of stages 3 and 4),
+# NEEDLE_MIN_TOKENS (280: the shortest needle document of stages 3 and 4, which must hold the
+# longest template of NEEDLE_TASKS; 112, as in stage 2, for single alone), COPY_DOCS (12000),
+# NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120), BLOCK_SUMMARY (keys: each block scored by its best
+# keys, found by HNSW over keys in the hnsw evaluation; bounds: by channel-wise bounds), THREADS (2),
+# DATA_DIR (../shared/data), PROSE (dataset/prose), TOKENIZER (model/tokenizer_prose),
 # EVAL_LENGTHS ("4096 16384 65536"), EVAL_TRIALS (5), PPL_TOKENS (131072), OUT (out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,15 +56,15 @@ SEED=${SEED:-1}
 INDUCTION_STEPS=${INDUCTION_STEPS:-800}
 COPY_STEPS=${COPY_STEPS:-600}
 NEEDLE_STEPS=${NEEDLE_STEPS:-1200}
-DISTRACT_STEPS=${DISTRACT_STEPS:-0}
-MULTIKEY_STEPS=${MULTIKEY_STEPS:-0}
+DISTRACT_STEPS=${DISTRACT_STEPS:-1200}
+MULTIKEY_STEPS=${MULTIKEY_STEPS:-800}
 MULTIKEY_TASKS=${MULTIKEY_TASKS:-multikey}
 DISTRACT_LAYERS=${DISTRACT_LAYERS:-1}
 DISTRACT_MEMORY=${DISTRACT_MEMORY:-0}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
 WIDE_SHIFT_LR_SCALE=${WIDE_SHIFT_LR_SCALE:-1}
-KEY_SHIFT=${KEY_SHIFT:-2}
-QUERY_SHIFT=${QUERY_SHIFT:-1}
+KEY_SHIFT=${KEY_SHIFT:-3}
+QUERY_SHIFT=${QUERY_SHIFT:-2}
 HIDDEN=${HIDDEN:-128}
 LAYERS=${LAYERS:-4}
 WINDOW=${WINDOW:-16}
@@ -66,14 +72,14 @@ TOP_N=${TOP_N:-4}
 BATCH=${BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-512}
 LR=${LR:-1e-3}
-NEEDLE_TASKS=${NEEDLE_TASKS:-single}
+NEEDLE_TASKS=${NEEDLE_TASKS:-"single multikey multivalue"}
 COPY_MIX_MIN_TOKENS=112
 MULTIKEY_MIX_MIN_TOKENS=280  # the longest multikey template (8 keys) needs 257 English tokens
-NEEDLE_MIN_TOKENS=${NEEDLE_MIN_TOKENS:-$COPY_MIX_MIN_TOKENS}
+NEEDLE_MIN_TOKENS=${NEEDLE_MIN_TOKENS:-$MULTIKEY_MIX_MIN_TOKENS}
 COPY_DOCS=${COPY_DOCS:-12000}
 NEEDLE_COPY_DOCS=${NEEDLE_COPY_DOCS:-4000}
 SAFETY_MINUTES=${SAFETY_MINUTES:-120}
-BLOCK_SUMMARY=${BLOCK_SUMMARY:-bounds}
+BLOCK_SUMMARY=${BLOCK_SUMMARY:-keys}
 THREADS=${THREADS:-2}
 DATA_DIR=${DATA_DIR:-../shared/data}
 PROSE=${PROSE:-dataset/prose}
@@ -111,7 +117,7 @@ if [ "$MULTIKEY_STEPS" -gt 0 ]; then  # stage 5: the stage-3 mix with multikey (
 fi
 mkdir -p "$OUT"
 # HNSW settings saved with the models: graphs over keys as the long-context evaluations use them
-# (docs/LONG_CONTEXT.md, Fewer keys per search: 32 keys per head, efSearch 32), graphs over bounds
+# (docs/LONG_CONTEXT_EXPERIMENTS.md, Fewer keys per search: 32 keys per head, efSearch 32), graphs over bounds
 # summaries with the passkey recipe's search breadth.
 hnsw_settings=(--hnsw_ef_search 256)
 [ "$BLOCK_SUMMARY" = keys ] && hnsw_settings=(--hnsw_m 16 --hnsw_ef_construction 64 --hnsw_ef_search 32
@@ -134,9 +140,9 @@ trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5:
 }
 
 train() {  # $1: ann | dense. Everything but the attention is identical in the two runs.
-    # What the passkey recipe learned (docs/LONG_CONTEXT.md): a small window so far copies go
-    # through retrieved blocks, capped block positions and bounds summaries (the defaults), RoPE
-    # base 1e4, keys smeared over one token and then two, HNSW efSearch 256.
+    # What the passkey recipe learned (docs/LONG_CONTEXT_EXPERIMENTS.md): a small window so far copies go
+    # through retrieved blocks, capped block positions, RoPE base 1e4, keys smeared over one token
+    # first and over KEY_SHIFT once the copy has formed.
     local stages="$OUT/prose_$1/stages"
     mkdir -p "$stages"
     OMP_NUM_THREADS="$THREADS" python scripts/probe_induction.py --attn "$1" --hidden_size "$HIDDEN" \

@@ -6,7 +6,7 @@ whose learning rate the schedule sets to 0 until step S. With lr 0, AdamW's deco
 (p *= 1 - lr * wd) and its update (p -= lr * m / (sqrt(v) + eps)) leave them exactly as they are,
 and the gradient-norm clip leaves them out. A new model's are zero, so until S a --key_shift 2 model
 computes what a --key_shift 1 model computes. Learning the copy with the one-token match first and
-the two-token match after is what forms both within the long-context budget (docs/LONG_CONTEXT.md).
+the two-token match after is what forms both within the long-context budget (docs/LONG_CONTEXT_EXPERIMENTS.md).
 --wide_shift_lr_scale K trains the group, once released, at K times the schedule's rate: its weights
 start at zero, and at a low rate they stay near it.
 """
