@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Long context on real prose, for 2 CPU cores (docs/LONG_CONTEXT.md).
 #
-# A copy curriculum in five stages (3 to 5 with DISTRACT_STEPS=0 or MULTIKEY_STEPS=0), for one model
+# A copy curriculum in five stages (four with DISTRACT_STEPS=0 or MULTIKEY_STEPS=0, three with both), for one model
 # with ANN attention (out/prose_ann) and, as the control, the same model with dense attention
 # (out/prose_dense), each alone on every core:
 #   1. induction: random token ids, one span repeated (scripts/probe_induction.py), where copying is
@@ -9,7 +9,7 @@
 #      followed) forms;
 #   2. copy: training prose with copy documents (random words of a stretch of prose, repeated) and
 #      single needles, which carries the copy over to real text;
-#   3. needles: mostly short needle documents of all three tasks over training prose, copy documents
+#   3. needles: mostly needle documents of all three tasks (280-448 tokens) over training prose, copy documents
 #      kept in the mix, the wide key match (three tokens) training from WIDE_SHIFT_FROM;
 #   4. distractors (DISTRACT_STEPS): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
 #      cross-batch distractors (--ann_batch_distractors), so a copy learns to win against the other
