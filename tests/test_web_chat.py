@@ -6,6 +6,7 @@ writes a screenshot of the page there (docs/web_chat.png is made so).
 """
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,9 @@ def test_a_sent_message_streams_an_answer_into_the_page(page):
     assert page.inner_text(".message.user") == "Who waits by the weir?"
     assert page.inner_text(".message.assistant").strip()
     note = page.inner_text(".note")
-    assert "answer tokens" in note and "12 answer tokens" in note, note
+    answer_tokens = re.search(r"(\d+) answer tokens", note)
+    # the random tiny model may greedily reach its end-of-text token first; CPUs differ in near-ties
+    assert answer_tokens and 1 <= int(answer_tokens.group(1)) <= 12, note
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
 
     page.fill("#input", "And then?")
