@@ -41,7 +41,8 @@
 # previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (2: a
 # query's; a key matches the query of the token before it, so KEY_SHIFT = QUERY_SHIFT + 1 matches
 # that many tokens), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
-# LR (1e-3), NEEDLE_TASKS ("single multikey multivalue": the tasks of stages 3 and 4),
+# LR (1e-3), DENSE_INDUCTION_LR (3e-3: the dense control's stage-1 rate; at LR its content match does not form
+# in 800 steps), NEEDLE_TASKS ("single multikey multivalue": the tasks of stages 3 and 4),
 # NEEDLE_MIN_TOKENS (280: the shortest needle document of stages 3 and 4, which must hold the
 # longest template of NEEDLE_TASKS; 112, as in stage 2, for single alone), COPY_DOCS (12000),
 # NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120), BLOCK_SUMMARY (keys: each block scored by its best
@@ -72,6 +73,7 @@ TOP_N=${TOP_N:-4}
 BATCH=${BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-512}
 LR=${LR:-1e-3}
+DENSE_INDUCTION_LR=${DENSE_INDUCTION_LR:-3e-3}
 NEEDLE_TASKS=${NEEDLE_TASKS:-"single multikey multivalue"}
 COPY_MIX_MIN_TOKENS=112
 MULTIKEY_MIX_MIN_TOKENS=280  # the longest multikey template (8 keys) needs 257 English tokens
@@ -139,15 +141,16 @@ trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5:
     echo "trained $4 to step $step of $5, last metrics: $last"
 }
 
-train() {  # $1: ann | dense. Everything but the attention is identical in the two runs.
+train() {  # $1: ann | dense. Everything but the attention and stage 1's rate is identical in the two runs.
     # What the passkey recipe learned (docs/LONG_CONTEXT_EXPERIMENTS.md): a small window so far copies go
     # through retrieved blocks, capped block positions, RoPE base 1e4, keys smeared over one token
     # first and over KEY_SHIFT once the copy has formed.
-    local stages="$OUT/prose_$1/stages"
+    local stages="$OUT/prose_$1/stages" induction_lr=$LR
+    [ "$1" = dense ] && induction_lr=$DENSE_INDUCTION_LR
     mkdir -p "$stages"
     OMP_NUM_THREADS="$THREADS" python scripts/probe_induction.py --attn "$1" --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --ann_window "$WINDOW" --ann_top_n "$TOP_N" --key_shift "$KEY_SHIFT" --query_shift "$QUERY_SHIFT" \
-        --hold_wide_shift --min_span 20 --max_span 64 --length 256 --batch 16 --lr "$LR" --steps "$INDUCTION_STEPS" \
+        --hold_wide_shift --min_span 20 --max_span 64 --length 256 --batch 16 --lr "$induction_lr" --steps "$INDUCTION_STEPS" \
         --block_summary "$BLOCK_SUMMARY" --seed "$SEED" --threads "$THREADS" --json "$stages/induction.json" \
         --save "$stages/induction" \
         > "$stages/induction.log" 2>&1 || { echo "stage 1 of $1 failed, see $stages/induction.log" >&2; return 1; }
