@@ -13,7 +13,7 @@ ATTN_IMPLS = ("dense", "ann")
 RETRIEVERS = ("exact", "hnsw", "auto", "pruned")
 BLOCK_POSITIONS = ("capped", "true")
 BLOCK_SUMMARIES = ("bounds", "mean", "keys")
-MAX_TOKEN_SHIFT = 3  # key_shift / query_shift: how many previous tokens a key / query may mix in
+MAX_TOKEN_SHIFT = 4  # key_shift / query_shift: how many previous tokens a key / query may mix in
 
 # hidden, layers, query heads, kv heads. "tiny" is what the offline CPU demo trains in minutes;
 # "small" and "base" are minimind2's 26M and 104M models.

@@ -464,7 +464,7 @@ def ann_model(retrieval="exact", **overrides):
 
 
 # (key_shift, query_shift): none, the one-token smeared key, two-token keys with one-token queries, three with two
-TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1), (3, 2)]
+TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
 
 
 @pytest.mark.parametrize("key_shift,query_shift", TOKEN_SHIFTS)
@@ -556,9 +556,9 @@ def test_previous_inputs_in_chunks_equal_the_whole_sequence():
 
 def test_old_configs_with_a_key_shift_switch_mean_one_token():
     assert MiniMindConfig(key_shift=True).key_shift == 1 and MiniMindConfig(key_shift=False).key_shift == 0
-    with pytest.raises(ValueError, match="key_shift must be an integer in 0..3"):
-        MiniMindConfig(key_shift=4)
-    with pytest.raises(ValueError, match="query_shift must be an integer in 0..3"):
+    with pytest.raises(ValueError, match="key_shift must be an integer in 0..4"):
+        MiniMindConfig(key_shift=5)
+    with pytest.raises(ValueError, match="query_shift must be an integer in 0..4"):
         MiniMindConfig(query_shift=-1)
 
 
