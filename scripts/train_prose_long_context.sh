@@ -41,8 +41,8 @@
 # previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (2: a
 # query's; a key matches the query of the token before it, so KEY_SHIFT = QUERY_SHIFT + 1 matches
 # that many tokens), HIDDEN (128), LAYERS (4), WINDOW (16), TOP_N (4), BATCH (8), SEQ_LEN (512),
-# LR (1e-3), DENSE_INDUCTION_LR (3e-3: the dense control's stage-1 rate; at LR its content match does not form
-# in 800 steps), NEEDLE_TASKS ("single multikey multivalue": the tasks of stages 3 and 4),
+# LR (1e-3), DENSE_INDUCTION_LR (LR: the dense control's stage-1 rate; at 1e-3 its content match does not form
+# in 800 steps, at 3e-3 it does), NEEDLE_TASKS ("single multikey multivalue": the tasks of stages 3 and 4),
 # NEEDLE_MIN_TOKENS (280: the shortest needle document of stages 3 and 4, which must hold the
 # longest template of NEEDLE_TASKS; 112, as in stage 2, for single alone), COPY_DOCS (12000),
 # NEEDLE_COPY_DOCS (4000), SAFETY_MINUTES (120), BLOCK_SUMMARY (keys: each block scored by its best
@@ -73,7 +73,7 @@ TOP_N=${TOP_N:-4}
 BATCH=${BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-512}
 LR=${LR:-1e-3}
-DENSE_INDUCTION_LR=${DENSE_INDUCTION_LR:-3e-3}
+DENSE_INDUCTION_LR=${DENSE_INDUCTION_LR:-$LR}
 NEEDLE_TASKS=${NEEDLE_TASKS:-"single multikey multivalue"}
 COPY_MIX_MIN_TOKENS=112
 MULTIKEY_MIX_MIN_TOKENS=280  # the longest multikey template (8 keys) needs 257 English tokens
@@ -141,7 +141,7 @@ trainer_stage() {  # $1: ann | dense, $2: from model, $3: data, $4: out dir, $5:
     echo "trained $4 to step $step of $5, last metrics: $last"
 }
 
-train() {  # $1: ann | dense. Everything but the attention and stage 1's rate is identical in the two runs.
+train() {  # $1: ann | dense. Everything but the attention (and DENSE_INDUCTION_LR, if set) is identical in the two runs.
     # What the passkey recipe learned (docs/LONG_CONTEXT_EXPERIMENTS.md): a small window so far copies go
     # through retrieved blocks, capped block positions, RoPE base 1e4, keys smeared over one token
     # first and over KEY_SHIFT once the copy has formed.
