@@ -463,7 +463,7 @@ def ann_model(retrieval="exact", **overrides):
     return model
 
 
-# (key_shift, query_shift): none, the one-token smeared key, two-token keys with one-token queries, three with two
+# (key_shift, query_shift): none, the one-token smeared key, two-token keys with one-token queries, three with two, four with three
 TOKEN_SHIFTS = [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
 
 
