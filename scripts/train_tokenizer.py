@@ -10,12 +10,12 @@ quality benchmarks also tokenizes compactly:
       /work/shared/data/tinyshakespeare.txt /work/shared/data/sanguo.txt --out model/tokenizer
 
 The prose tokenizer (model/tokenizer_prose/, docs/LONG_CONTEXT.md) is trained on the training split
-of the real prose only, with every digit a token of its own (--individual_digits), so a number is
+of the real prose only, with every digit a token of its own (--digits individual), so a number is
 the same tokens after a space, after Chinese text or at a line start; --measure compares it with
 another tokenizer on held-out prose:
 
   python scripts/make_prose_data.py --split_only --out_dir dataset/prose
-  python scripts/train_tokenizer.py --data dataset/prose/prose_train_*.txt --individual_digits \
+  python scripts/train_tokenizer.py --data dataset/prose/prose_train_*.txt --digits individual \
       --out model/tokenizer_prose --measure dataset/prose/prose_heldout_*.txt
 
 Special tokens: <|endoftext|>=0 (also pad and unk), <|im_start|>=1 (bos), <|im_end|>=2 (eos).
@@ -31,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dataset.chat_messages import CHAT_TEMPLATE
 
@@ -68,22 +68,56 @@ def distinct_sentences(texts):
                 yield sentence
 
 
-def train(data_paths, vocab_size, individual_digits=False):
-    """A byte-level BPE; with individual_digits every digit is split off as its own token before
-    byte-level splitting, so no merge ever joins a digit to a space, a letter or another digit."""
-    tokenizer = Tokenizer(models.BPE())
+DIGIT_STYLES = ("bytes", "individual", "space_joined")
+SPACE = "\u0120"  # byte-level BPE's spelling of a space
+
+
+def digit_pre_tokenizer(digit_style):
+    """How digits are split before byte-level BPE (`DIGIT_STYLES`):
+    bytes         no special treatment: merges may join digits to each other and to a space;
+    individual    every digit a piece of its own ("is 42" -> "is", " ", "4", "2");
+    space_joined  every digit a piece of its own, a space right before it joined to it
+                  ("is 42" -> "is", " 4", "2"), so a number after a space has no token of its own
+                  before its first digit."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                               if individual_digits else byte_level)
+    if digit_style == "bytes":
+        return byte_level
+    if digit_style == "individual":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if digit_style == "space_joined":
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?\p{N}"), behavior="isolated"), byte_level])
+    raise ValueError(f"unknown digit style {digit_style!r}; choose from {', '.join(DIGIT_STYLES)}")
+
+
+def with_space_digits(tokenizer):
+    """The tokenizer with " 0" .. " 9" as tokens (ids after the trained vocabulary): the training
+    text may hold too few numbers after a space for BPE to learn those merges itself."""
+    spec = json.loads(tokenizer.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    for digit in "0123456789":
+        if SPACE + digit not in vocab:
+            vocab[SPACE + digit] = len(vocab)
+            merges.append([SPACE, digit] if merges and isinstance(merges[0], list) else f"{SPACE} {digit}")
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def train(data_paths, vocab_size, digit_style="bytes"):
+    """A byte-level BPE of `vocab_size` tokens whose digits are split as `digit_style` says
+    (digit_pre_tokenizer); space_joined reserves 10 of the tokens for " 0" .. " 9"."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = digit_pre_tokenizer(digit_style)
     tokenizer.decoder = decoders.ByteLevel()
+    reserved = 10 if digit_style == "space_joined" else 0
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - reserved,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     texts = (text for path in data_paths for text in read_texts(path))
     tokenizer.train_from_iterator(distinct_sentences(texts), trainer=trainer)
+    if digit_style == "space_joined":
+        tokenizer = with_space_digits(tokenizer)
     for expected_id, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == expected_id, f"{token} must have id {expected_id}"
     return tokenizer
@@ -180,7 +214,8 @@ def main(argv=None):
     parser.add_argument("--out", default="model/tokenizer")
     parser.add_argument("--vocab_size", type=int, default=6400)
     parser.add_argument("--model_max_length", type=int, default=32768)
-    parser.add_argument("--individual_digits", action="store_true", help="every digit a token of its own")
+    parser.add_argument("--digits", choices=DIGIT_STYLES, default="bytes",
+                        help="how digits are split into tokens (digit_pre_tokenizer)")
     parser.add_argument("--measure", nargs="+", default=None, metavar="HELDOUT",
                         help="after training, compare with --compare on these held-out text files")
     parser.add_argument("--compare", default="model/tokenizer", help="the tokenizer --measure compares with")
@@ -189,7 +224,7 @@ def main(argv=None):
     missing = [path for path in args.data + (args.measure or []) if not Path(path).exists()]
     if missing:
         parser.error(f"data files not found: {missing}")
-    tokenizer = train(args.data, args.vocab_size, args.individual_digits)
+    tokenizer = train(args.data, args.vocab_size, args.digits)
     save(tokenizer, args.out, args.model_max_length)
     print(f"saved {tokenizer.get_vocab_size()}-token tokenizer to {args.out}")
     check_round_trip(args.out)

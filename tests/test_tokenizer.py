@@ -112,8 +112,26 @@ def test_prose_tokenizer_spells_numbers_alike_in_every_context_and_the_shipped_o
 def test_training_with_individual_digits_merges_no_digit(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The key is 12345 and 12345 again.\n\n钥匙是12345。\n\n" * 30, encoding="utf-8")
-    trained = train([corpus], vocab_size=320, individual_digits=True)
+    trained = train([corpus], vocab_size=320, digit_style="individual")
     merged = [token for token in trained.get_vocab() if any(c.isdigit() for c in token) and len(token) > 1]
     assert merged == []
     plain = train([corpus], vocab_size=320).get_vocab()
     assert any(any(c.isdigit() for c in token) and len(token) > 1 for token in plain)  # without the split, digits merge
+
+
+def test_space_joined_digits_put_a_space_with_the_first_digit_only(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The key is here and there.\n\n钥匙是12345。\n\n" * 30, encoding="utf-8")
+    trained = train([corpus], vocab_size=320, digit_style="space_joined")
+    assert trained.get_vocab_size() <= 320  # the tiny corpus leaves the vocabulary short of full
+    digit_tokens = {token for token in trained.get_vocab() if any(c in "0123456789" for c in token)}
+    assert digit_tokens == set("0123456789") | {"\u0120" + digit for digit in "0123456789"}
+    text = "is 4821937. 是4821937。 x  12"
+    ids = trained.encode(text).ids
+    pieces = [trained.decode([i]) for i in ids]
+    assert trained.decode(ids) == text
+    first = pieces.index(" 4")
+    assert pieces[first - 1].endswith("is") and pieces[first + 1:first + 7] == list("821937")  # no space token
+    second = pieces.index("4", first + 7)
+    assert pieces[second - 1].endswith("是") and pieces[second + 1:second + 7] == list("821937")
+    assert pieces[-3:] == [" ", " 1", "2"]  # only the space right before a digit joins it
