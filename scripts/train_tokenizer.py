@@ -70,6 +70,7 @@ def distinct_sentences(texts):
 
 DIGIT_STYLES = ("bytes", "individual", "space_joined")
 SPACE = "\u0120"  # byte-level BPE's spelling of a space
+SPACE_DIGITS = tuple(SPACE + digit for digit in "0123456789")  # the tokens space_joined reserves
 
 
 def digit_pre_tokenizer(digit_style):
@@ -90,24 +91,25 @@ def digit_pre_tokenizer(digit_style):
 
 
 def with_space_digits(tokenizer):
-    """The tokenizer with " 0" .. " 9" as tokens (ids after the trained vocabulary): the training
+    """The tokenizer with SPACE_DIGITS as tokens (ids after the trained vocabulary): the training
     text may hold too few numbers after a space for BPE to learn those merges itself."""
     spec = json.loads(tokenizer.to_str())
     vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
-    for digit in "0123456789":
-        if SPACE + digit not in vocab:
-            vocab[SPACE + digit] = len(vocab)
-            merges.append([SPACE, digit] if merges and isinstance(merges[0], list) else f"{SPACE} {digit}")
+    pairs_as_lists = bool(merges) and isinstance(merges[0], list)
+    for token in SPACE_DIGITS:
+        if token not in vocab:
+            vocab[token] = len(vocab)
+            merges.append([SPACE, token[1]] if pairs_as_lists else f"{SPACE} {token[1]}")
     return Tokenizer.from_str(json.dumps(spec))
 
 
 def train(data_paths, vocab_size, digit_style="bytes"):
     """A byte-level BPE of `vocab_size` tokens whose digits are split as `digit_style` says
-    (digit_pre_tokenizer); space_joined reserves 10 of the tokens for " 0" .. " 9"."""
+    (digit_pre_tokenizer); space_joined reserves len(SPACE_DIGITS) of them for " 0" .. " 9"."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = digit_pre_tokenizer(digit_style)
     tokenizer.decoder = decoders.ByteLevel()
-    reserved = 10 if digit_style == "space_joined" else 0
+    reserved = len(SPACE_DIGITS) if digit_style == "space_joined" else 0
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - reserved,
         special_tokens=SPECIAL_TOKENS,
