@@ -197,17 +197,36 @@ def consistent_numbers(tokenizer, numbers):
     return same / len(numbers)
 
 
+def one_digit_per_token(tokenizer, template, number):
+    """True when each token of `number` inside template.format(n=number) holds one of its digits, the
+    first token possibly with the space before it (--digits space_joined), and nothing else."""
+    text = template.format(n=number)
+    start = text.index(str(number))
+    end = start + len(str(number))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    pieces = [text[low:high] for low, high in encoding.offset_mapping if high > start and low < end]
+    return [pieces[0].removeprefix(" "), *pieces[1:]] == list(str(number))
+
+
+def digit_numbers(tokenizer, numbers):
+    """The fraction of numbers spelled one digit per token (one_digit_per_token) in every context of
+    NUMBER_CONTEXTS: copying a number is copying its digits, wherever it stands."""
+    return sum(all(one_digit_per_token(tokenizer, template, number) for template in NUMBER_CONTEXTS.values())
+               for number in numbers) / len(numbers)
+
+
 def measure(tokenizers, heldout_paths, num_numbers=200, seed=0):
     """Prints, per tokenizer ({name: tokenizer}): tokens per character of each held-out file and the
-    share of 5-7 digit numbers spelled the same way in every context."""
+    shares of 5-7 digit numbers spelled the same way in every context and one digit per token in every
+    context."""
     rng = random.Random(seed)
     numbers = [rng.randint(10 ** (digits - 1), 10**digits - 1) for digits in (rng.randint(5, 7) for _ in range(num_numbers))]
     texts = {Path(path).stem: Path(path).read_text(encoding="utf-8") for path in heldout_paths}
-    print(f"{'tokenizer':<28} {'vocab':>6} " + " ".join(f"{name[:22]:>22}" for name in texts) + f" {'same number':>12}")
+    print(f"{'tokenizer':<28} {'vocab':>6} " + " ".join(f"{name[:22]:>22}" for name in texts) + f" {'same number':>12} {'digit/token':>12}")
     for name, tokenizer in tokenizers.items():
         rates = [tokens_per_char(tokenizer, [text]) for text in texts.values()]
         print(f"{name:<28} {len(tokenizer):>6} " + " ".join(f"{rate:>16.3f} tok/ch" for rate in rates)
-              + f" {consistent_numbers(tokenizer, numbers):>12.2f}")
+              + f" {consistent_numbers(tokenizer, numbers):>12.2f} {digit_numbers(tokenizer, numbers):>12.2f}")
 
 
 def main(argv=None):

@@ -379,8 +379,8 @@ def test_probe_selection_ranks_the_needle_block_per_layer(trained, corpus_dir, t
 
 
 def test_probe_selection_answer_mode_probes_every_answer_token(trained, corpus_dir, tmp_path, capsys):
-    """--answer: a row per (layer, answer token), labelled in answer order (English answers open with
-    a space token, Chinese ones with the first digit), with the teacher-forced probability of the
+    """--answer: a row per (layer, answer token), labelled in answer order (the first digit first: the
+    prose tokenizer joins an English answer's space to it), with the teacher-forced probability of the
     token and how often it was the most likely one."""
     json_path = tmp_path / "answer.json"
     assert probe_selection.main(["--load", str(trained), "--data_dir", str(corpus_dir), "--lengths", "300", "--trials", "2",
@@ -389,9 +389,9 @@ def test_probe_selection_answer_mode_probes_every_answer_token(trained, corpus_d
     assert out.count("p_correct per answer token") == 4 and "best-key rank of the copied block" in out
     result = json.loads(json_path.read_text())
     assert result["config"]["answer"] is True and json_path.with_suffix(".png").read_bytes()[:8] == PNG
-    for lang, first in (("en", "lead"), ("zh", "d1")):
+    for lang in ("en", "zh"):
         labels = [row["answer_token"] for row in result["rows"] if row["lang"] == lang]
-        assert labels[0] == first and labels[-1] == "end" and {"d1", "d2", "d3", "d4", "d5"} <= set(labels)
+        assert labels[0] == "d1" and labels[-1] == "end" and {"d2", "d3", "d4", "d5"} <= set(labels)
     for row in result["rows"]:
         assert 0.0 <= row["p_correct"] <= 1.0 and row["argmax"] in (0.0, 0.5, 1.0) and 1 <= row["trials"] <= 2
         assert 1 <= row["max_logit_median_rank"] <= row["candidates"]

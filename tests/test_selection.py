@@ -64,8 +64,10 @@ def test_value_position_finds_the_numbers_first_token():
 
 def test_copy_targets_point_each_answer_token_at_the_digit_it_copies():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    english = tokenizer(" 4821937.", add_special_tokens=False).input_ids  # ' ', seven digits, '.'
-    assert copy_targets(tokenizer, english, [50]) == [("lead", 50)] + [(f"d{i + 1}", 50 + i) for i in range(7)] + [("end", 56)]
+    english = tokenizer(" 4821937.", add_special_tokens=False).input_ids  # ' 4', six digits, '.'
+    assert copy_targets(tokenizer, english, [50]) == [(f"d{i + 1}", 50 + i) for i in range(7)] + [("end", 56)]
+    spaced = [token for text in (" ", "4", "8", "2", ".") for token in tokenizer(text, add_special_tokens=False).input_ids]
+    assert copy_targets(tokenizer, spaced, [50]) == [("lead", 50), ("d1", 50), ("d2", 51), ("d3", 52), ("end", 52)]
     chinese = tokenizer("95512。", add_special_tokens=False).input_ids
     assert copy_targets(tokenizer, chinese, [9]) == [(f"d{i + 1}", 9 + i) for i in range(5)] + [("end", 13)]
     for text in ("no number.", " 12 and 34."):
@@ -81,10 +83,13 @@ def test_copy_targets_of_a_list_label_each_number_by_its_place():
     """A multivalue answer: the k-th number's digits copy the k-th prompt number's; between two
     numbers the first token copies the earlier number's last digit, the rest the later one's first."""
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    english = tokenizer(" 123, 4567.", add_special_tokens=False).input_ids  # ' ', 1 2 3, ',', ' ', 4 5 6 7, '.'
+    english = tokenizer(" 123, 4567.", add_special_tokens=False).input_ids  # ' 1' 2 3, ',', ' 4' 5 6 7, '.'
     assert copy_targets(tokenizer, english, [10, 40]) == (
-        [("lead", 10), ("d1", 10), ("d2", 11), ("d3", 12), ("end", 12), ("n2.lead", 40)]
+        [("d1", 10), ("d2", 11), ("d3", 12), ("end", 12)]
         + [(f"n2.d{i + 1}", 40 + i) for i in range(4)] + [("n2.end", 43)])
+    spaced = [token for text in (" ", "1", ",", " ", "4", "5", ".") for token in tokenizer(text, add_special_tokens=False).input_ids]
+    assert copy_targets(tokenizer, spaced, [10, 40]) == [
+        ("lead", 10), ("d1", 10), ("end", 10), ("n2.lead", 40), ("n2.d1", 40), ("n2.d2", 41), ("n2.end", 41)]
     chinese = tokenizer("12、345、67。", add_special_tokens=False).input_ids
     assert [label for label, _ in copy_targets(tokenizer, chinese, [5, 9, 30])] == [
         "d1", "d2", "end", "n2.d1", "n2.d2", "n2.d3", "n2.end", "n3.d1", "n3.d2", "n3.end"]

@@ -1,11 +1,12 @@
 """The shipped tokenizer (exact round trips, special token ids, chat template, no implicit specials) and
-the prose tokenizer (one token per digit, a number spelled alike in every context)."""
+the prose tokenizer (one token per digit, the first holding the space before it)."""
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from scripts.train_tokenizer import NUMBER_CONTEXTS, SPACE_DIGITS, consistent_numbers, number_tokens, save, train
+from scripts.train_tokenizer import (NUMBER_CONTEXTS, SPACE_DIGITS, consistent_numbers, digit_numbers, one_digit_per_token,
+                                     save, train)
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "model" / "tokenizer"
 
@@ -99,14 +100,30 @@ def test_prose_tokenizer_keeps_the_special_ids_and_round_trips(prose_tokenizer):
 
 @pytest.mark.parametrize("context", sorted(NUMBER_CONTEXTS))
 def test_prose_tokenizer_spells_a_number_one_digit_per_token(prose_tokenizer, context):
+    """After a space the first digit's token holds the space (--digits space_joined), elsewhere only the digit."""
+    template = NUMBER_CONTEXTS[context]
     for number in NUMBERS:
-        tokens = number_tokens(prose_tokenizer, NUMBER_CONTEXTS[context], number)
-        assert [prose_tokenizer.decode([token]) for token in tokens] == list(str(number))
+        text = template.format(n=number)
+        pieces = prose_tokenizer.tokenize(text)
+        digits = list(str(number))
+        first = " " + digits[0] if f" {number}" in text else digits[0]
+        spelled = [prose_tokenizer.convert_tokens_to_string([piece]) for piece in pieces]
+        at = spelled.index(first)
+        assert spelled[at : at + len(digits)] == [first, *digits[1:]]
+        assert one_digit_per_token(prose_tokenizer, template, number)
 
 
-def test_prose_tokenizer_spells_numbers_alike_in_every_context_and_the_shipped_one_does_not(tokenizer, prose_tokenizer):
-    assert consistent_numbers(prose_tokenizer, NUMBERS) == 1.0
-    assert consistent_numbers(tokenizer, NUMBERS) < 1.0  # " 48213" merges its space into the first digit
+def test_digit_measures_tell_the_three_digit_styles_apart(tokenizer, prose_tokenizer, tmp_path):
+    """consistent_numbers: the same tokens in every context; digit_numbers: one digit per token, the
+    first possibly holding the space before it."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The key is 12345 and 67890 again.\n\n钥匙是12345。\n\n" * 30, encoding="utf-8")
+    save(train([corpus], vocab_size=320, digit_style="individual"), tmp_path / "individual", model_max_length=512)
+    individual = AutoTokenizer.from_pretrained(str(tmp_path / "individual"))
+    assert consistent_numbers(individual, NUMBERS) == 1.0 and digit_numbers(individual, NUMBERS) == 1.0
+    assert consistent_numbers(prose_tokenizer, NUMBERS) == 0.0  # " 4" differs from "4"
+    assert digit_numbers(prose_tokenizer, NUMBERS) == 1.0
+    assert consistent_numbers(tokenizer, NUMBERS) < 1.0 and digit_numbers(tokenizer, NUMBERS) < 1.0  # BPE merges digits
 
 
 def test_training_with_individual_digits_merges_no_digit(tmp_path):
