@@ -10,13 +10,14 @@ quality benchmarks also tokenizes compactly:
       /work/shared/data/tinyshakespeare.txt /work/shared/data/sanguo.txt --out model/tokenizer
 
 The prose tokenizer (model/tokenizer_prose/, docs/LONG_CONTEXT.md) is trained on the training split
-of the real prose only, with every digit a token of its own (--digits individual), so a number is
-the same tokens after a space, after Chinese text or at a line start; --measure compares it with
-another tokenizer on held-out prose:
+of the real prose only, with every digit a token of its own and a space before a digit joined to it
+(--digits space_joined), so a number is copied one digit per token after a space, after Chinese
+text or at a line start, and an English answer begins with its first digit; --measure compares it
+with another tokenizer on held-out prose:
 
   python scripts/make_prose_data.py --split_only --out_dir dataset/prose
-  python scripts/train_tokenizer.py --data dataset/prose/prose_train_*.txt --digits individual \
-      --out model/tokenizer_prose --measure dataset/prose/prose_heldout_*.txt
+  python scripts/train_tokenizer.py --data dataset/prose/prose_train_*.txt --digits space_joined \
+      --vocab_size 6400 --model_max_length 1048576 --out model/tokenizer_prose --measure dataset/prose/prose_heldout_*.txt
 
 Special tokens: <|endoftext|>=0 (also pad and unk), <|im_start|>=1 (bos), <|im_end|>=2 (eos).
 Encoding never adds special tokens by itself; the chat template (dataset/chat_messages.py) writes them explicitly.
