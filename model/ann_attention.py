@@ -49,6 +49,7 @@ call (QuerySpans), so tiles never wait on the device.
 """
 
 import math
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -321,16 +322,15 @@ def attend_tile(tile, slab, blocks, window):
     return out.view(q.shape) + block_weights @ blocks.values
 
 
-def attend_one(q, keys, values, visible):
+def attend_one(q, keys, values, mask):
     """One query per row over its attended keys, window and far ones alike, under one softmax.
 
-    q (b, h, 1, d) scaled, in the keys' frame; keys/values (b, g, K, d); visible (b, g, K) bool, or
-    None when every key is visible -> (b, h, 1, d). The query heads of a KV group fold into SDPA's
-    query axis, so keys are never repeated per head.
+    q (b, h, 1, d) scaled, in the keys' frame; keys/values (b, g, K, d); mask (b, g, 1, K) additive
+    (0 visible, -inf not) -> (b, h, 1, d). The query heads of a KV group fold into SDPA's query
+    axis, so keys are never repeated per head; an additive mask spares SDPA converting a bool one.
     """
     b, h, _, d = q.shape
     g = keys.shape[1]
-    mask = None if visible is None else visible[:, :, None]
     out = F.scaled_dot_product_attention(q.view(b, g, h // g, d), keys, values, attn_mask=mask, scale=1.0)
     return out.view(b, h, 1, d)
 
@@ -424,7 +424,8 @@ class WindowRing(NamedTuple):
 
     The positions end-W .. end-1 of every row, position p in slot p mod W: keys (b, g, W, d) in the
     frame of capped retrieved keys for the queries of aligned chunk `chunk` (positions chunk*W ..
-    chunk*W + W-1; see AnnAttention.frame_rotation), values (b, g, W, d).
+    chunk*W + W-1; see FrameRotation), values (b, g, W, d). They are the window slots
+    of the layer cache's AttendedKeys.
     """
 
     keys: torch.Tensor
@@ -434,25 +435,65 @@ class WindowRing(NamedTuple):
 
 
 class FrameRotation(NamedTuple):
-    """RoPE tables (1, 1, 2W, d) of the distances 0 .. 2W-1, in apply_rope_rolled's form: in the frame
-    of capped retrieved keys, a query at t sits at W + t mod W (far_positions) and its window keys
-    within 1 .. 2W-1 (fresh_ring). The query tables carry the softmax scale 1/sqrt(d) as well."""
+    """RoPE in the frame of capped retrieved keys, where a query at t sits at W + t mod W
+    (far_positions) and its window keys within 1 .. 2W-1 (fresh_ring).
+
+    cos, signed_sin (1, 1, 2W, d): apply_rope_rolled's tables of the distances 0 .. 2W-1.
+    key_matrices, query_matrices (W, d, d): the rotation to distance W + i as a matrix, x @ M[i],
+    for one token (the newest key, the query): one matmul instead of apply_rope_rolled's kernels.
+    The query's carry the softmax scale 1/sqrt(d) as well.
+    """
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
-    query_cos: torch.Tensor
-    query_signed_sin: torch.Tensor
+    key_matrices: torch.Tensor
+    query_matrices: torch.Tensor
 
 
+@lru_cache(maxsize=8)
 def frame_rotation(window, head_dim, theta, dtype, device):
+    """The FrameRotation of these settings, one shared by every layer (W * d * d matrices each)."""
     cos, sin = rope_cos_sin(torch.arange(2 * window, device=device)[None], head_dim, theta, dtype)
-    signed_sin, scale = rolled_sin(sin), 1.0 / math.sqrt(head_dim)
-    return FrameRotation(cos, signed_sin, cos * scale, signed_sin * scale)
+    signed_sin = rolled_sin(sin)
+    identity = torch.eye(head_dim, dtype=dtype, device=device)
+    key_matrices = apply_rope_rolled(identity, cos[0, 0, window:, None], signed_sin[0, 0, window:, None])
+    return FrameRotation(cos, signed_sin, key_matrices, key_matrices / math.sqrt(head_dim))
 
 
-def fresh_ring(keys, values, position, frame):
+class AttendedKeys(NamedTuple):
+    """What a decoding query attends to, in buffers kept from step to step so that a step writes
+    its keys in place instead of concatenating them.
+
+    keys, values (b, g, W + n*B, d): the window (slot p mod W, the WindowRing when capped), then
+    the far keys (selected blocks, or positions 0 .. t-W while top_n covers every candidate);
+    mask (b, g, 1, W + n*B): 0 where a key is visible, -inf where not (a far slot past the
+    query's candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with;
+    key_offsets (B,): 0 .. B-1.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    visible: torch.Tensor
+    hidden: torch.Tensor
+    key_offsets: torch.Tensor
+
+
+def attended_keys(like, window, far_slots, block_size):
+    """Empty AttendedKeys for keys like (b, g, t, d): every window slot visible, every far one not."""
+    b, g, _, d = like.shape
+    keys = like.new_zeros(b, g, window + far_slots, d)
+    mask = like.new_zeros(b, g, 1, window + far_slots)
+    mask[..., window:] = NEG_INF
+    return AttendedKeys(
+        keys, torch.zeros_like(keys), mask, like.new_zeros(()), like.new_full((), NEG_INF),
+        torch.arange(block_size, device=like.device),
+    )
+
+
+def fresh_ring(keys, values, position, frame, attended):
     """keys (unrotated)/values (b, g, t, d) stored up to `position` >= W-1, frame: FrameRotation
-    -> WindowRing of the window of the query at `position`.
+    -> WindowRing of the window of the query at `position`, written into attended's window slots.
 
     In that query's block frame the key at p sits at p - (chunk - 1) * W: offset+1 .. offset+W.
     """
@@ -463,10 +504,13 @@ def fresh_ring(keys, values, position, frame):
         keys[:, :, low : position + 1], frame.cos[:, :, distances], frame.signed_sin[:, :, distances]
     )
     shift = low % window  # position low goes to slot low mod W
-    return WindowRing(rotated.roll(shift, 2), values[:, :, low : position + 1].roll(shift, 2), position + 1, chunk)
+    ring_keys, ring_values = attended.keys[:, :, :window], attended.values[:, :, :window]
+    ring_keys.copy_(rotated.roll(shift, 2))
+    ring_values.copy_(values[:, :, low : position + 1].roll(shift, 2))
+    return WindowRing(ring_keys, ring_values, position + 1, chunk)
 
 
-def advanced_ring(ring, keys, values, position, frame):
+def advanced_ring(ring, keys, values, position, frame, attended):
     """WindowRing (or None) -> the WindowRing of the query at `position` (fresh_ring's arguments).
 
     A ring that holds the window up to position-1 in the same chunk's frame takes the new key into
@@ -475,12 +519,9 @@ def advanced_ring(ring, keys, values, position, frame):
     window = frame.cos.shape[2] // 2
     chunk, offset = divmod(position, window)
     if ring is None or ring.end != position or ring.chunk != chunk:
-        return fresh_ring(keys, values, position, frame)
-    slot, distance = slice(offset, offset + 1), slice(window + offset, window + offset + 1)
-    ring.keys[:, :, slot] = apply_rope_rolled(
-        keys[:, :, position : position + 1], frame.cos[:, :, distance], frame.signed_sin[:, :, distance]
-    )
-    ring.values[:, :, slot] = values[:, :, position : position + 1]
+        return fresh_ring(keys, values, position, frame, attended)
+    ring.keys[:, :, offset : offset + 1] = keys[:, :, position : position + 1] @ frame.key_matrices[offset]
+    ring.values[:, :, offset : offset + 1] = values[:, :, position : position + 1]
     return ring._replace(end=position + 1)
 
 
@@ -494,6 +535,8 @@ class AnnLayerCache(KVBuffer):
         self.summary = summary
         self.summaries = None
         self.ring = None  # WindowRing of the last decode step (capped positions), see decode_step
+        self.attended = None  # AttendedKeys of the decode steps
+        self.tables = None  # (the key buffer, its BlockTables, row offsets), see decode_tables
 
     def write(self, k_new, v_new, starts, host_starts=None):
         """KVBuffer.write; a write other than one token per row at the ring's end drops the ring
@@ -502,6 +545,25 @@ class AnnLayerCache(KVBuffer):
         if self.ring is not None and not (k_new.shape[2] == 1 and set(host_starts) == {self.ring.end}):
             self.ring = None
         return super().write(k_new, v_new, starts, host_starts)
+
+    def attended_keys(self, window, far_slots):
+        """The AttendedKeys of a decode step, made afresh (dropping the ring that lives in them)
+        when the batch, heads, dtype or number of slots differ from the last step's."""
+        shape = (*self.k.shape[:2], window + far_slots, self.k.shape[3])
+        if self.attended is None or self.attended.keys.shape != shape or self.attended.keys.dtype != self.k.dtype:
+            self.attended = attended_keys(self.k, window, far_slots, self.block_size)
+            self.ring = None
+        return self.attended
+
+    def decode_tables(self):
+        """(BlockTables of the whole buffers, row offsets (b, g, 1, 1) of each (sequence, head)'s
+        first block row): views, made again only when the buffers grow."""
+        if self.tables is None or self.tables[0] is not self.k:
+            tables = block_tables(self.k, self.v, self.block_size)
+            b, g = self.k.shape[:2]
+            row_offsets = (torch.arange(b * g, device=self.k.device) * tables.rows_per_head).view(b, g, 1, 1)
+            self.tables = (self.k, tables, row_offsets)
+        return self.tables[1:]
 
     def update_summaries(self, first_position, end_position):
         """Recompute the summaries of every block that the last write touched.
@@ -539,7 +601,6 @@ class AnnAttention:
         self.distractor_memory = DistractorMemory(config.ann_distractor_memory)
         self.training = True  # as a new module's; the owning Attention's train() sets it
         self.config = config
-        self.frame_table = None  # (rope settings, FrameRotation), for decode_step
 
     def new_retriever(self):
         """The config's retriever; a layer that retrieves nothing keeps no retrieval state (graphs):
@@ -644,57 +705,65 @@ class AnnAttention:
         positions 0 .. t-W, whatever order a selection would list them in).
 
         Everything is scored in the block frame, window keys included: capped, the window keys are
-        the layer cache's WindowRing, rotated into it, so a step rotates its own key only. The window
-        and the far keys then meet in one SDPA call.
+        the layer cache's WindowRing, rotated into it, so a step rotates its own key only. Window and
+        far keys are written into the layer cache's AttendedKeys and meet in one SDPA call.
 
         q (b, h, 1, d) unrotated, keys/values (b, g, t+1, d) everything stored, summaries (b, g, m, e)
         -> out (b, h, 1, d).
         """
         position = spans.host_first[0]
-        q, window_keys, window_values = self.decode_window(q, keys, values, position, layer_cache, rope)
-        far_keys, far_values, far_visible = self.decode_far(q, keys, values, position, layer_cache, summaries)
-        visible = None if far_visible is None else F.pad(far_visible, (self.window, 0), value=True)
-        return attend_one(q, torch.cat([window_keys, far_keys], 2), torch.cat([window_values, far_values], 2), visible)
+        attended = layer_cache.attended_keys(self.window, self.top_n * self.block_size)
+        q = self.decode_window(q, keys, values, position, layer_cache, rope, attended)
+        self.decode_far(q, keys, values, position, layer_cache, summaries, attended)
+        return attend_one(q, attended.keys, attended.values, attended.mask)
 
-    def decode_window(self, q, keys, values, position, layer_cache, rope):
-        """Unrotated q (b, h, 1, d) at `position` -> (q scaled by 1/sqrt(d), in the block frame, its W
-        window keys in that frame, their values), keys/values (b, g, W, d). Capped, the window is the
-        layer cache's WindowRing, advanced by this step's key; else a slice of the stored (rotated) keys."""
+    def decode_window(self, q, keys, values, position, layer_cache, rope, attended):
+        """Unrotated q (b, h, 1, d) at `position` -> q scaled by 1/sqrt(d), in the block frame; its W
+        window keys and their values in that frame go into attended's window slots. Capped, they
+        are the layer cache's WindowRing, advanced by this step's key; else the stored (rotated) keys."""
         window = self.window
         if not self.capped:
             low = position - window + 1
-            return rope(q * (1.0 / math.sqrt(q.shape[-1]))), keys[:, :, low : position + 1], values[:, :, low : position + 1]
-        frame = self.frame_rotation(rope, q.device)
-        distance = slice(window + position % window, window + position % window + 1)
-        layer_cache.ring = advanced_ring(layer_cache.ring, keys, values, position, frame)
-        q = apply_rope_rolled(q, frame.query_cos[:, :, distance], frame.query_signed_sin[:, :, distance])
-        return q, layer_cache.ring.keys, layer_cache.ring.values
+            attended.keys[:, :, :window] = keys[:, :, low : position + 1]
+            attended.values[:, :, :window] = values[:, :, low : position + 1]
+            return rope(q * (1.0 / math.sqrt(q.shape[-1])))
+        frame = frame_rotation(window, rope.head_dim, rope.theta, rope.dtype, q.device)
+        layer_cache.ring = advanced_ring(layer_cache.ring, keys, values, position, frame, attended)
+        return q @ frame.query_matrices[position % window]
 
-    def decode_far(self, q, keys, values, position, layer_cache, summaries):
-        """q (b, h, 1, d) in the block frame -> far keys, values (b, g, F, d) and visible (b, g, F)
-        bool, or None when every far key is visible: positions 0 .. t-W when top_n covers every
-        candidate block, else the top_n blocks that layer_cache.retriever selects."""
-        last_far = position - self.window
-        candidates = last_far // self.block_size + 1
+    def decode_far(self, q, keys, values, position, layer_cache, summaries, attended):
+        """q (b, h, 1, d) in the block frame -> attended's far slots and their mask: positions
+        0 .. t-W when top_n covers every candidate block, else the top_n blocks that
+        layer_cache.retriever selects, a key visible when its slot is a real selection and it is
+        older than the window."""
         if not self.top_n:
-            return keys[:, :, :0], values[:, :, :0], None
+            return
+        window, block_size = self.window, self.block_size
+        last_far = position - window
+        candidates = last_far // block_size + 1
+        far_mask = attended.mask[..., window:]
         if candidates <= self.top_n:
-            return keys[:, :, : last_far + 1], values[:, :, : last_far + 1], None
+            count = last_far + 1
+            attended.keys[:, :, window : window + count] = keys[:, :, :count]
+            attended.values[:, :, window : window + count] = values[:, :, :count]
+            far_mask[..., :count] = 0.0
+            far_mask[..., count:] = NEG_INF
+            return
         limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)
         with torch.no_grad():
             selecting = selection_queries(q.detach(), self.kv_heads, self.summary)
             block_ids, valid = layer_cache.retriever.select(
                 selecting, summaries, limits, self.top_n, (candidates, candidates)
             )
-        blocks = block_tables(keys, values, self.block_size).gather_up_to(block_ids, valid, last_far)
-        return blocks.keys[:, :, 0], blocks.values[:, :, 0], blocks.visible[:, :, 0]
-
-    def frame_rotation(self, rope, device):
-        """The FrameRotation of this rope's settings, made once per settings."""
-        settings = (rope.head_dim, rope.theta, rope.dtype, device)
-        if self.frame_table is None or self.frame_table[0] != settings:
-            self.frame_table = (settings, frame_rotation(self.window, *settings))
-        return self.frame_table[1]
+        tables, row_offsets = layer_cache.decode_tables()
+        rows = (block_ids + row_offsets).flatten()
+        far_shape = attended.keys[:, :, window:].shape
+        attended.keys[:, :, window:] = tables.keys.index_select(0, rows).view(far_shape)
+        attended.values[:, :, window:] = tables.values.index_select(0, rows).view(far_shape)
+        # key i of selected block j is visible when j * B + i <= t - W and the slot is a real selection
+        visible = torch.le(attended.key_offsets, (last_far - block_ids * block_size)[..., None])
+        visible &= valid[..., None]
+        torch.where(visible, attended.visible, attended.hidden, out=far_mask.unflatten(-1, visible.shape[-2:]))
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its
