@@ -465,10 +465,11 @@ class AttendedKeys(NamedTuple):
     its keys in place instead of concatenating them.
 
     keys, values (b, g, W + n*B, d): the window (slot p mod W, the WindowRing when capped), then
-    the far keys (selected blocks, or positions 0 .. t-W while top_n covers every candidate);
-    mask (b, g, 1, W + n*B): 0 where a key is visible, -inf where not (a far slot past the
-    query's candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with;
-    key_offsets (B,): 0 .. B-1.
+    the far keys (the selected blocks, or positions 0 .. t-W while top_n covers every candidate);
+    mask (b, g, 1, W + n*B): 0 where a key is visible, -inf where not (a far slot past the query's
+    candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with;
+    key_offsets (B,): 0 .. B-1. The parts are sliced afresh each step (window, far): a view kept
+    across steps would stay behind the buffer when a step writes tensors that require grad.
     """
 
     keys: torch.Tensor
@@ -478,16 +479,24 @@ class AttendedKeys(NamedTuple):
     hidden: torch.Tensor
     key_offsets: torch.Tensor
 
+    def window(self, window):
+        """(keys, values) of the window slots, (b, g, W, d) each."""
+        return self.keys.narrow(2, 0, window), self.values.narrow(2, 0, window)
+
+    def far(self, window):
+        """(keys, values) of the far slots (b, g, n*B, d) and their mask (b, g, 1, n*B)."""
+        slots = self.keys.shape[2] - window
+        return self.keys.narrow(2, window, slots), self.values.narrow(2, window, slots), self.mask.narrow(3, window, slots)
+
 
 def attended_keys(like, window, far_slots, block_size):
     """Empty AttendedKeys for keys like (b, g, t, d): every window slot visible, every far one not."""
     b, g, _, d = like.shape
-    keys = like.new_zeros(b, g, window + far_slots, d)
+    keys, values = (like.new_zeros(b, g, window + far_slots, d) for _ in range(2))
     mask = like.new_zeros(b, g, 1, window + far_slots)
     mask[..., window:] = NEG_INF
     return AttendedKeys(
-        keys, torch.zeros_like(keys), mask, like.new_zeros(()), like.new_full((), NEG_INF),
-        torch.arange(block_size, device=like.device),
+        keys, values, mask, like.new_zeros(()), like.new_full((), NEG_INF), torch.arange(block_size, device=like.device)
     )
 
 
@@ -504,7 +513,7 @@ def fresh_ring(keys, values, position, frame, attended):
         keys[:, :, low : position + 1], frame.cos[:, :, distances], frame.signed_sin[:, :, distances]
     )
     shift = low % window  # position low goes to slot low mod W
-    ring_keys, ring_values = attended.keys[:, :, :window], attended.values[:, :, :window]
+    ring_keys, ring_values = attended.window(window)
     ring_keys.copy_(rotated.roll(shift, 2))
     ring_values.copy_(values[:, :, low : position + 1].roll(shift, 2))
     return WindowRing(ring_keys, ring_values, position + 1, chunk)
@@ -724,8 +733,9 @@ class AnnAttention:
         window = self.window
         if not self.capped:
             low = position - window + 1
-            attended.keys[:, :, :window] = keys[:, :, low : position + 1]
-            attended.values[:, :, :window] = values[:, :, low : position + 1]
+            window_keys, window_values = attended.window(window)
+            window_keys.copy_(keys[:, :, low : position + 1])
+            window_values.copy_(values[:, :, low : position + 1])
             return rope(q * (1.0 / math.sqrt(q.shape[-1])))
         frame = frame_rotation(window, rope.head_dim, rope.theta, rope.dtype, q.device)
         layer_cache.ring = advanced_ring(layer_cache.ring, keys, values, position, frame, attended)
@@ -741,13 +751,13 @@ class AnnAttention:
         window, block_size = self.window, self.block_size
         last_far = position - window
         candidates = last_far // block_size + 1
-        far_mask = attended.mask[..., window:]
+        far_keys, far_values, mask = attended.far(window)
         if candidates <= self.top_n:
             count = last_far + 1
-            attended.keys[:, :, window : window + count] = keys[:, :, :count]
-            attended.values[:, :, window : window + count] = values[:, :, :count]
-            far_mask[..., :count] = 0.0
-            far_mask[..., count:] = NEG_INF
+            far_keys[:, :, :count] = keys[:, :, :count]
+            far_values[:, :, :count] = values[:, :, :count]
+            mask[..., :count] = 0.0
+            mask[..., count:] = NEG_INF
             return
         limits = torch.full((q.shape[0], 1), candidates, dtype=torch.long, device=q.device)
         with torch.no_grad():
@@ -757,13 +767,12 @@ class AnnAttention:
             )
         tables, row_offsets = layer_cache.decode_tables()
         rows = (block_ids + row_offsets).flatten()
-        far_shape = attended.keys[:, :, window:].shape
-        attended.keys[:, :, window:] = tables.keys.index_select(0, rows).view(far_shape)
-        attended.values[:, :, window:] = tables.values.index_select(0, rows).view(far_shape)
+        far_keys.copy_(tables.keys.index_select(0, rows).view(far_keys.shape))
+        far_values.copy_(tables.values.index_select(0, rows).view(far_values.shape))
         # key i of selected block j is visible when j * B + i <= t - W and the slot is a real selection
-        visible = torch.le(attended.key_offsets, (last_far - block_ids * block_size)[..., None])
-        visible &= valid[..., None]
-        torch.where(visible, attended.visible, attended.hidden, out=far_mask.unflatten(-1, visible.shape[-2:]))
+        visible = torch.le(attended.key_offsets, (last_far - block_ids * block_size).unsqueeze(-1))
+        visible &= valid.unsqueeze(-1)
+        torch.where(visible, attended.visible, attended.hidden, out=mask.unflatten(-1, visible.shape[-2:]))
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
         """Queries in tiles: each tile selects its blocks, gathers their keys and attends over its
