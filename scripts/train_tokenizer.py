@@ -171,21 +171,25 @@ def tokens_per_char(tokenizer, texts):
     return tokens / max(sum(len(text) for text in texts), 1)
 
 
-def number_tokens(tokenizer, template, number):
-    """The tokens that spell `number` inside template.format(n=number), or None when a token also
-    holds a character around the number (a space, a Chinese character, the newline)."""
+def number_pieces(tokenizer, template, number):
+    """The tokens of template.format(n=number) that overlap `number`, as (token id, its text, whether
+    it holds a character around the number too: a space, a Chinese character, the newline)."""
     text = template.format(n=number)
     start = text.index(str(number))
     end = start + len(str(number))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    spelled = []
-    for token, (low, high) in zip(encoding.input_ids, encoding.offset_mapping):
-        if high <= start or low >= end:
-            continue
-        if low < start or high > end:
-            return None
-        spelled.append(token)
-    return tuple(spelled)
+    return [
+        (token, text[low:high], low < start or high > end)
+        for token, (low, high) in zip(encoding.input_ids, encoding.offset_mapping)
+        if high > start and low < end
+    ]
+
+
+def number_tokens(tokenizer, template, number):
+    """The tokens that spell `number` inside template.format(n=number), or None when a token also
+    holds a character around the number."""
+    pieces = number_pieces(tokenizer, template, number)
+    return None if any(spills for _, _, spills in pieces) else tuple(token for token, _, _ in pieces)
 
 
 def consistent_numbers(tokenizer, numbers):
@@ -201,12 +205,8 @@ def consistent_numbers(tokenizer, numbers):
 def one_digit_per_token(tokenizer, template, number):
     """True when each token of `number` inside template.format(n=number) holds one of its digits, the
     first token possibly with the space before it (--digits space_joined), and nothing else."""
-    text = template.format(n=number)
-    start = text.index(str(number))
-    end = start + len(str(number))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    pieces = [text[low:high] for low, high in encoding.offset_mapping if high > start and low < end]
-    return [pieces[0].removeprefix(" "), *pieces[1:]] == list(str(number))
+    texts = [text for _, text, _ in number_pieces(tokenizer, template, number)]
+    return [texts[0].removeprefix(" "), *texts[1:]] == list(str(number))
 
 
 def digit_numbers(tokenizer, numbers):
