@@ -243,40 +243,39 @@ def block_table(keys, block_size):
     return keys[:, :, : m * block_size].reshape(b * g * m, row), m
 
 
-def flat_block_rows(block_ids, rows_per_head):
-    """block_ids (b, g, T, n) -> (b*g*T*n,) rows of a block table (block_table) holding them."""
-    b, g = block_ids.shape[:2]
-    row_offsets = (torch.arange(b * g, device=block_ids.device) * rows_per_head).view(b, g, 1, 1)
-    return (block_ids + row_offsets).flatten()
-
-
 class BlockTables(NamedTuple):
-    """The stored keys (block frame) and values as block rows: keys, values (b*g*M, B*d) (block_table)."""
+    """The stored keys (block frame) and values as block rows: keys, values (b*g*M, B*d) (block_table);
+    row_offsets (b, g, 1, 1): each (sequence, head)'s first row; key_offsets (B,): 0 .. B-1."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    rows_per_head: int
     block_size: int
+    row_offsets: torch.Tensor
+    key_offsets: torch.Tensor
+
+    def rows(self, block_ids):
+        """block_ids (b, g, T, n) -> (b*g*T*n,) the table rows holding them."""
+        return (block_ids + self.row_offsets).flatten()
+
+    def visible(self, block_ids, valid, newest):
+        """block_ids/valid (b, g, T, n) -> (b, g, T, n, B) bool: key i of block j is visible when the
+        slot is a real selection and j*B + i <= newest, the last position its query reads from blocks
+        (position - W): (b, 1, T, 1) or one host int for all."""
+        visible = torch.le(self.key_offsets, (newest - block_ids * self.block_size).unsqueeze(-1))
+        return visible.logical_and_(valid.unsqueeze(-1))
 
     def gather(self, block_ids, valid, positions, window):
-        """block_ids/valid (b, g, T, n) selected for queries at positions (b, T) -> RetrievedBlocks."""
-        return self.gather_up_to(block_ids, valid, (positions - window)[:, None, :, None, None])
+        """block_ids/valid (b, g, T, n) selected for queries at positions (b, T) -> RetrievedBlocks.
 
-    def gather_up_to(self, block_ids, valid, newest):
-        """block_ids/valid (b, g, T, n) -> RetrievedBlocks whose keys past `newest` are not visible.
-
-        newest: the last position each query reads from blocks (position - W), (b, 1, T, 1, 1) or
-        one host int for all. One index_select per table over the flat block rows: far faster on CPU
-        than advanced indexing.
+        One index_select per table over the flat block rows: far faster on CPU than advanced indexing.
         """
         b, g, tile_len, _ = block_ids.shape
         head_dim = self.keys.shape[1] // self.block_size
-        rows = flat_block_rows(block_ids, self.rows_per_head)
-        key_positions = block_ids[..., None] * self.block_size + torch.arange(self.block_size, device=block_ids.device)
+        rows = self.rows(block_ids)
         return RetrievedBlocks(
             self.keys.index_select(0, rows).view(b, g, tile_len, -1, head_dim),
             self.values.index_select(0, rows).view(b, g, tile_len, -1, head_dim),
-            (valid[..., None] & (key_positions <= newest)).flatten(-2),
+            self.visible(block_ids, valid, (positions - window)[:, None, :, None]).flatten(-2),
         )
 
 
@@ -284,7 +283,9 @@ def block_tables(keys, values, block_size):
     """keys/values (b, g, t, d) -> BlockTables: views of a cache buffer, else one copy each."""
     key_table, rows_per_head = block_table(keys, block_size)
     value_table, _ = block_table(values, block_size)
-    return BlockTables(key_table, value_table, rows_per_head, block_size)
+    b, g = keys.shape[:2]
+    row_offsets = (torch.arange(b * g, device=keys.device) * rows_per_head).view(b, g, 1, 1)
+    return BlockTables(key_table, value_table, block_size, row_offsets, torch.arange(block_size, device=keys.device))
 
 
 def attend_tile(tile, slab, blocks, window):
@@ -467,8 +468,7 @@ class AttendedKeys(NamedTuple):
     keys, values (b, g, W + n*B, d): the window (slot p mod W, the WindowRing when capped), then
     the far keys (the selected blocks, or positions 0 .. t-W while top_n covers every candidate);
     mask (b, g, 1, W + n*B): 0 where a key is visible, -inf where not (a far slot past the query's
-    candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with;
-    key_offsets (B,): 0 .. B-1. The parts are sliced afresh each step (window, far): a view kept
+    candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with. The parts are sliced afresh each step (window, far): a view kept
     across steps would stay behind the buffer when a step writes tensors that require grad.
     """
 
@@ -477,7 +477,6 @@ class AttendedKeys(NamedTuple):
     mask: torch.Tensor
     visible: torch.Tensor
     hidden: torch.Tensor
-    key_offsets: torch.Tensor
 
     def window(self, window):
         """(keys, values) of the window slots, (b, g, W, d) each."""
@@ -489,15 +488,13 @@ class AttendedKeys(NamedTuple):
         return self.keys.narrow(2, window, slots), self.values.narrow(2, window, slots), self.mask.narrow(3, window, slots)
 
 
-def attended_keys(like, window, far_slots, block_size):
+def attended_keys(like, window, far_slots):
     """Empty AttendedKeys for keys like (b, g, t, d): every window slot visible, every far one not."""
     b, g, _, d = like.shape
     keys, values = (like.new_zeros(b, g, window + far_slots, d) for _ in range(2))
     mask = like.new_zeros(b, g, 1, window + far_slots)
     mask[..., window:] = NEG_INF
-    return AttendedKeys(
-        keys, values, mask, like.new_zeros(()), like.new_full((), NEG_INF), torch.arange(block_size, device=like.device)
-    )
+    return AttendedKeys(keys, values, mask, like.new_zeros(()), like.new_full((), NEG_INF))
 
 
 def fresh_ring(keys, values, position, frame, attended):
@@ -545,7 +542,7 @@ class AnnLayerCache(KVBuffer):
         self.summaries = None
         self.ring = None  # WindowRing of the last decode step (capped positions), see decode_step
         self.attended = None  # AttendedKeys of the decode steps
-        self.tables = None  # (the key buffer, its BlockTables, row offsets), see decode_tables
+        self.tables = None  # (the key buffer, its BlockTables), see decode_tables
 
     def write(self, k_new, v_new, starts, host_starts=None):
         """KVBuffer.write; a write other than one token per row at the ring's end drops the ring
@@ -560,19 +557,15 @@ class AnnLayerCache(KVBuffer):
         when the batch, heads, dtype or number of slots differ from the last step's."""
         shape = (*self.k.shape[:2], window + far_slots, self.k.shape[3])
         if self.attended is None or self.attended.keys.shape != shape or self.attended.keys.dtype != self.k.dtype:
-            self.attended = attended_keys(self.k, window, far_slots, self.block_size)
+            self.attended = attended_keys(self.k, window, far_slots)
             self.ring = None
         return self.attended
 
     def decode_tables(self):
-        """(BlockTables of the whole buffers, row offsets (b, g, 1, 1) of each (sequence, head)'s
-        first block row): views, made again only when the buffers grow."""
+        """BlockTables of the whole buffers: views, made again only when the buffers grow."""
         if self.tables is None or self.tables[0] is not self.k:
-            tables = block_tables(self.k, self.v, self.block_size)
-            b, g = self.k.shape[:2]
-            row_offsets = (torch.arange(b * g, device=self.k.device) * tables.rows_per_head).view(b, g, 1, 1)
-            self.tables = (self.k, tables, row_offsets)
-        return self.tables[1:]
+            self.tables = (self.k, block_tables(self.k, self.v, self.block_size))
+        return self.tables[1]
 
     def update_summaries(self, first_position, end_position):
         """Recompute the summaries of every block that the last write touched.
@@ -765,13 +758,11 @@ class AnnAttention:
             block_ids, valid = layer_cache.retriever.select(
                 selecting, summaries, limits, self.top_n, (candidates, candidates)
             )
-        tables, row_offsets = layer_cache.decode_tables()
-        rows = (block_ids + row_offsets).flatten()
+        tables = layer_cache.decode_tables()
+        rows = tables.rows(block_ids)
         far_keys.copy_(tables.keys.index_select(0, rows).view(far_keys.shape))
         far_values.copy_(tables.values.index_select(0, rows).view(far_values.shape))
-        # key i of selected block j is visible when j * B + i <= t - W and the slot is a real selection
-        visible = torch.le(attended.key_offsets, (last_far - block_ids * block_size).unsqueeze(-1))
-        visible &= valid.unsqueeze(-1)
+        visible = tables.visible(block_ids, valid, last_far)
         torch.where(visible, attended.visible, attended.hidden, out=mask.unflatten(-1, visible.shape[-2:]))
 
     def tiled(self, q, keys, values, spans, retriever, summaries, rope):
