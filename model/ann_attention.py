@@ -28,7 +28,9 @@ Definition (one semantics for training, prefill and decoding). Block j holds pos
     distractors:      with ann_batch_distractors, a training pass reads row i as the sequence [the
                       complete blocks of the batch's other rows, row i] (with_batch_distractors);
                       with ann_distractor_memory M, [the complete blocks of the last M batches
-                      (detached), those of the other rows, row i] (DistractorMemory).
+                      (detached), those of the other rows, row i] (DistractorMemory); with
+                      ann_distractor_blocks N, a query's top_n come from row i alone and the N
+                      best foreign blocks are attended besides (OwnAndForeignRetriever).
     positions:        window keys are rotated (RoPE) at their true distance from the query. Retrieved
                       keys, with ann_block_position "capped" (the default), all sit at the distance
                       W + (t mod W): just beyond the window, inside the distances training covers at
@@ -57,7 +59,7 @@ import torch.nn.functional as F
 
 from .dense_attention import dense_attention
 from .kv_cache import KVBuffer, with_capacity
-from .retrieval import block_summaries, build_retriever, candidate_count, selection_queries
+from .retrieval import OwnAndForeignRetriever, block_summaries, build_retriever, candidate_count, selection_queries
 from .rope import apply_rope_rolled, rolled_sin, rope_cos_sin
 
 NEG_INF = float("-inf")
@@ -601,6 +603,7 @@ class AnnAttention:
         self.summary = config.ann_block_summary
         self.batch_distractors = config.ann_batch_distractors
         self.distractor_memory = DistractorMemory(config.ann_distractor_memory)
+        self.distractor_blocks = config.ann_distractor_blocks
         self.training = True  # as a new module's; the owning Attention's train() sets it
         self.config = config
 
@@ -698,7 +701,12 @@ class AnnAttention:
         first = torch.full((b,), offset, dtype=torch.long, device=q.device)
         spans = QuerySpans(first, first + s, (offset,) * b, (offset + s,) * b)
         summaries = block_summaries(keys, 0, keys.shape[2] // self.block_size, self.block_size, self.summary)
-        return self.tiled(q, keys, values, spans, self.new_retriever(), summaries, rope)
+        retriever = self.new_retriever()
+        if self.distractor_blocks:
+            retriever = OwnAndForeignRetriever(
+                retriever, self.new_retriever(), offset // self.block_size, self.distractor_blocks
+            )
+        return self.tiled(q, keys, values, spans, retriever, summaries, rope)
 
     def decode_step(self, q, keys, values, spans, layer_cache, summaries, rope):
         """One new query per row, every row at the same position t >= W (decodes_one_position, not

@@ -53,6 +53,7 @@ class MiniMindConfig(PretrainedConfig):
         ann_logn_length=None,
         ann_batch_distractors=False,
         ann_distractor_memory=0,
+        ann_distractor_blocks=0,
         hnsw_m=32,
         hnsw_ef_construction=200,
         hnsw_ef_search=64,
@@ -103,6 +104,11 @@ class MiniMindConfig(PretrainedConfig):
         # stay (detached) as further candidates, so a query meets thousands of distractor blocks as
         # in a long prompt, not only the batch's few hundred (AnnAttention.with_batch_distractors).
         self.ann_distractor_memory = ann_distractor_memory
+        # Training only, with ann_batch_distractors: 0 lets a query's top_n compete among its own
+        # and the foreign blocks alike. N > 0 keeps its top_n among its own candidates and adds the
+        # N best foreign blocks on top, so the block it must copy from is never displaced while
+        # the blocks beside it are the best of many, as at 1M tokens.
+        self.ann_distractor_blocks = ann_distractor_blocks
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
@@ -227,6 +233,11 @@ class MiniMindConfig(PretrainedConfig):
             problems.append(f"ann_distractor_memory must be an integer >= 0 (earlier batches kept), got {memory!r}")
         elif memory and self.ann_batch_distractors is not True:
             problems.append("ann_distractor_memory needs ann_batch_distractors: the kept blocks are distractors")
+        extra = self.ann_distractor_blocks
+        if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
+            problems.append(f"ann_distractor_blocks must be an integer >= 0 (foreign blocks added), got {extra!r}")
+        elif extra and self.ann_batch_distractors is not True:
+            problems.append("ann_distractor_blocks needs ann_batch_distractors: the added blocks are distractors")
         for name in ("key_shift", "query_shift"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:

@@ -234,6 +234,32 @@ class AutoRetriever(ExactRetriever):
         return torch.where(far, hnsw_ids, exact_ids), torch.where(far, hnsw_valid, exact_valid)
 
 
+
+class OwnAndForeignRetriever:
+    """A cross-batch distractor pass's selection with ann_distractor_blocks N: the leading
+    `foreign_blocks` candidates are other sequences' blocks, the rest a query's own. The top_n come
+    from its own candidates alone and the N best foreign blocks are added after them, so a
+    distractor never displaces the block the query must copy from, and the blocks beside it are
+    the best of all the foreign ones. -> ids, valid (b, g, s, top_n + N)."""
+
+    def __init__(self, own, foreign, foreign_blocks, extra):
+        self.own, self.foreign = own, foreign
+        self.foreign_blocks, self.extra = foreign_blocks, extra
+
+    def select(self, group_queries, summaries, limits, top_n, bounds=None):
+        fewest, most = limit_bounds(limits, bounds)
+        split = self.foreign_blocks
+        own_ids, own_valid = self.own.select(
+            group_queries, summaries[:, :, split:], (limits - split).clamp(min=0), top_n,
+            (max(fewest - split, 0), max(most - split, 0)),
+        )
+        foreign_ids, foreign_valid = self.foreign.select(
+            group_queries, summaries[:, :, :split], limits.clamp(max=split), self.extra,
+            (min(fewest, split), min(most, split)),
+        )
+        return torch.cat([own_ids + split, foreign_ids], dim=-1), torch.cat([own_valid, foreign_valid], dim=-1)
+
+
 def build_hnsw_retriever(config):
     """The HNSW retriever of config's summary: over keys for "keys", else over block summaries."""
     hnsw_settings = (config.hnsw_m, config.hnsw_ef_construction, config.hnsw_ef_search)

@@ -13,8 +13,9 @@
 #      kept in the mix, the wide key match (three tokens) training from WIDE_SHIFT_FROM;
 #   4. distractors (DISTRACT_STEPS): the stage-3 data again, retrieval in DISTRACT_LAYERS only and
 #      cross-batch distractors (--ann_batch_distractors), so a copy learns to win against the other
-#      rows' blocks (and, with DISTRACT_MEMORY > 0, those of that many earlier batches); the dense
-#      control trains the same steps on the same data;
+#      rows' blocks (and, with DISTRACT_MEMORY > 0, those of that many earlier batches; with
+#      DISTRACT_BLOCKS > 0 a query keeps its TOP_N own blocks and attends that many of the best foreign
+#      ones besides); the dense control trains the same steps on the same data;
 #   5. multikey (MULTIKEY_STEPS): needle documents that are all multikey (2-8 labelled numbers, one
 #      asked; MULTIKEY_TASKS may add multivalue), with the stage-4 flags, so the label is the only
 #      thing that tells the answer; in the mixed stages a copy of any key's number lowers most of the loss.
@@ -35,7 +36,8 @@
 # Settings (environment): ATTNS ("ann dense"), SEED (1), INDUCTION_STEPS (800), COPY_STEPS (600),
 # NEEDLE_STEPS (1200), DISTRACT_STEPS (1200; 0: no stage 4), MULTIKEY_STEPS (800; 0: no stage 5),
 # MULTIKEY_TASKS ("multikey": the needle tasks of stage 5; "multikey multivalue" keeps answers of
-# several numbers in the last stage), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), WIDE_SHIFT_FROM (0:
+# several numbers in the last stage), DISTRACT_LAYERS ("1"), DISTRACT_MEMORY (0), DISTRACT_BLOCKS (0: own and
+# foreign blocks compete for TOP_N; N: TOP_N own blocks and the N best foreign ones), WIDE_SHIFT_FROM (0:
 # the step of stage 3 from which the wide key match trains; stages 1 and 2 hold it),
 # WIDE_SHIFT_LR_SCALE (1: its learning rate as a multiple of the schedule's), KEY_SHIFT (3: the
 # previous tokens a key mixes in; beyond the first they are the wide shift), QUERY_SHIFT (2: a
@@ -62,6 +64,7 @@ MULTIKEY_STEPS=${MULTIKEY_STEPS:-800}
 MULTIKEY_TASKS=${MULTIKEY_TASKS:-multikey}
 DISTRACT_LAYERS=${DISTRACT_LAYERS:-1}
 DISTRACT_MEMORY=${DISTRACT_MEMORY:-0}
+DISTRACT_BLOCKS=${DISTRACT_BLOCKS:-0}
 WIDE_SHIFT_FROM=${WIDE_SHIFT_FROM:-0}
 WIDE_SHIFT_LR_SCALE=${WIDE_SHIFT_LR_SCALE:-1}
 KEY_SHIFT=${KEY_SHIFT:-3}
@@ -164,7 +167,7 @@ train() {  # $1: ann | dense. Everything but the attention (and DENSE_INDUCTION_
     local attn=$1 distractors=()
     # shellcheck disable=SC2086  # DISTRACT_LAYERS is a list of words
     [ "$1" = ann ] && distractors=(--ann_retrieval_layers $DISTRACT_LAYERS --ann_batch_distractors
-        --ann_distractor_memory "$DISTRACT_MEMORY")
+        --ann_distractor_memory "$DISTRACT_MEMORY" --ann_distractor_blocks "$DISTRACT_BLOCKS")
     trainer_stage "$1" "$stages/copy/model" "$PROSE/needles/prose_train.jsonl" "$(out_of needles)" "$NEEDLE_STEPS" \
         "$WIDE_SHIFT_FROM"
     local from

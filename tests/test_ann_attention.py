@@ -47,9 +47,11 @@ def reference_block_scores(block_q, block_k, block_size, summary):
     return products.amax(dim=5).sum(dim=-1).sum(dim=2)
 
 
-def reference_masks(block_q, block_k, window, block_size, top_n, summary):
+def reference_masks(block_q, block_k, window, block_size, top_n, summary, foreign=(0, 0)):
     """The definition, spelled out: (b, g, t_query, t_key) boolean masks of the window keys and of
-    the retrieved keys each query sees, from queries and keys in the blocks' frame."""
+    the retrieved keys each query sees, from queries and keys in the blocks' frame. foreign
+    (blocks F, extra N), N > 0: the top_n come from blocks F on and the N best of blocks 0 .. F-1
+    are added (ann_distractor_blocks)."""
     b, h, length, d = block_q.shape
     g = block_k.shape[1]
     positions = torch.arange(length)
@@ -63,10 +65,19 @@ def reference_masks(block_q, block_k, window, block_size, top_n, summary):
     block_starts = torch.arange(num_blocks) * block_size
     is_candidate = block_starts[None, :] <= query_pos - window  # (t_query, m)
     scores = scores.masked_fill(~is_candidate, float("-inf"))
-    # Each query's top_n candidates: the top min(top_n, m) of all blocks, keeping only candidates
-    # (non-candidates score -inf, so they are picked only when fewer than top_n candidates exist).
-    top = scores.topk(min(top_n, num_blocks), dim=-1).indices
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True) & is_candidate
+
+    def best(allowed, n):
+        # The top min(n, m) of the allowed blocks, keeping only those (the others score -inf, so
+        # they are picked only when fewer than n are allowed).
+        top = scores.masked_fill(~allowed, float("-inf")).topk(min(n, num_blocks), dim=-1).indices
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True) & allowed
+
+    foreign_blocks, extra = foreign
+    if extra:
+        is_foreign = torch.arange(num_blocks) < foreign_blocks
+        chosen = best(is_candidate & ~is_foreign, top_n) | best(is_candidate & is_foreign, extra)
+    else:
+        chosen = best(is_candidate, top_n)
     chosen_keys = chosen.repeat_interleave(block_size, dim=-1)  # (b, g, t_query, m * B)
     far_mask[..., : num_blocks * block_size] = chosen_keys
     far_mask &= key_pos <= query_pos - window
@@ -106,13 +117,15 @@ def selection_margins(q, k, window, block_size, top_n, block_position, summary):
     return margins
 
 
-def reference_attention(q, k, v, window, block_size, top_n, block_position="capped", summary="bounds"):
+def reference_attention(q, k, v, window, block_size, top_n, block_position="capped", summary="bounds", foreign=(0, 0)):
     """Unrotated q (b, h, t, d), k/v (b, g, t, d) -> out: window keys at their true distance, retrieved
-    keys at W + (t mod W) (capped) or at their true distance."""
+    keys at W + (t mod W) (capped) or at their true distance; foreign: see reference_masks."""
     b, h, length, d = q.shape
     groups = h // k.shape[1]
     window_q, window_k, block_q, block_k = reference_frames(q, k, window, block_position)
-    window_mask, far_mask = reference_masks(block_q.detach(), block_k.detach(), window, block_size, top_n, summary)
+    window_mask, far_mask = reference_masks(
+        block_q.detach(), block_k.detach(), window, block_size, top_n, summary, foreign
+    )
 
     def logits(queries, keys):
         return queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) / d**0.5
@@ -668,11 +681,12 @@ def test_logn_model_full_forward_equals_chunked_prefill_and_decoding(retrieval):
     assert (unscaled[:, 32:] - full[:, 32:]).abs().max().item() > 1e-3
 
 
-def reference_after_other_rows(q, k, v, window, block_size, top_n, summary, logn_length=None, kept=()):
+def reference_after_other_rows(q, k, v, window, block_size, top_n, summary, logn_length=None, kept=(), extra=0):
     """Unrotated q (b, h, s, d), k/v (b, g, s, d) -> out (b, h, s, d): row i's queries as the last s of
     one sequence made of the complete blocks of every other row (in row order) and then row i, by
     reference_attention (log-n scaled at their positions in that sequence). kept: earlier batches'
-    (k, v), oldest first, whose complete blocks (row by row) come first in every row's sequence."""
+    (k, v), oldest first, whose complete blocks (row by row) come first in every row's sequence.
+    extra N > 0: the top_n from the row's own blocks, and the N best of the blocks before it added."""
     b, h, s, d = q.shape
     length = s // block_size * block_size
     kept_k = [x[j, :, : x.shape[2] // block_size * block_size] for x, _ in kept for j in range(x.shape[0])]
@@ -687,7 +701,7 @@ def reference_after_other_rows(q, k, v, window, block_size, top_n, summary, logn
         if logn_length is not None:
             row_q = row_q * ann_attention.logn_scale(torch.arange(offset + s)[None], logn_length)[:, None, :, None]
         out = reference_attention(row_q, torch.cat([prefix_k, k[i]], 1)[None], torch.cat([prefix_v, v[i]], 1)[None],
-                                  window, block_size, top_n, "capped", summary)
+                                  window, block_size, top_n, "capped", summary, (offset // block_size, extra))
         rows.append(out[:, :, offset:])
     return torch.cat(rows)
 
@@ -735,6 +749,28 @@ def test_distractor_memory_puts_earlier_batches_blocks_first_without_gradient(su
         assert_same_outputs_and_gradients(out, expected, (q, k, v))
         if n and any(x.shape[2] >= 4 for _, x, _ in batches[max(0, n - memory) : n]):
             assert (expected - reference_after_other_rows(q, k, v, 8, 4, 2, summary)).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("summary", ["bounds", "keys"])
+@pytest.mark.parametrize("length", [9, 40])
+@pytest.mark.parametrize("top_n,extra", [(1, 1), (2, 3), (10_000, 2)])
+@pytest.mark.parametrize("memory", [0, 1])
+def test_distractor_blocks_add_the_best_foreign_blocks_to_a_rows_own_top_n(summary, length, top_n, extra, memory):
+    """With ann_distractor_blocks N, each query attends its top_n among its own row's blocks (as
+    without distractors) plus the N best foreign blocks (earlier batches' and the other rows'):
+    outputs and gradients equal the reference that selects the two apart (float64)."""
+    core = make_core(4, 2, window=8, block_size=4, top_n=top_n, summary=summary, ann_batch_distractors=True,
+                     ann_distractor_memory=memory, ann_distractor_blocks=extra)
+    earlier = random_qkv(3, 4, 2, 12, seed=1)
+    if memory:
+        run(core, *earlier)
+    q, k, v = random_qkv(3, 4, 2, length, seed=length)
+    out = run(core, q, k, v)
+    kept = [(earlier[1].detach(), earlier[2].detach())] if memory else ()
+    expected = reference_after_other_rows(q, k, v, 8, 4, top_n, summary, kept=kept, extra=extra)
+    assert_same_outputs_and_gradients(out, expected, (q, k, v))
+    competing = reference_after_other_rows(q, k, v, 8, 4, top_n, summary, kept=kept)
+    assert (expected - competing).abs().max().item() > 1e-3  # not what all blocks competing select
 
 
 def test_batch_distractors_act_only_in_a_training_pass_of_a_retrieving_layer():

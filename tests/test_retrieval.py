@@ -92,6 +92,9 @@ def test_auto_chooses_per_query_not_per_call():
         (dict(ann_distractor_memory=-1), r"ann_distractor_memory must be an integer >= 0"),
         (dict(ann_distractor_memory=2.0, ann_batch_distractors=True), r"ann_distractor_memory must be an integer >= 0"),
         (dict(ann_distractor_memory=2), "ann_distractor_memory needs ann_batch_distractors"),
+        (dict(ann_distractor_blocks=-1), r"ann_distractor_blocks must be an integer >= 0"),
+        (dict(ann_distractor_blocks=True, ann_batch_distractors=True), r"ann_distractor_blocks must be an integer >= 0"),
+        (dict(ann_distractor_blocks=2), "ann_distractor_blocks needs ann_batch_distractors"),
     ],
 )
 def test_invalid_settings_fail_with_a_clear_message(settings, message):

@@ -137,9 +137,10 @@ def test_held_back_wide_shift_trains_as_key_shift_1_until_its_step(data_dir, tmp
     # Continuing from weights whose wide rows are trained, the hold keeps them as they are (no decay).
     assert run_stage(train_pretrain, tmp_path / "continued", data, *common, "--from_weight", str(tmp_path / "held" / "model"),
                      "--wide_shift_from_step", "100", "--ann_retrieval_layers", "1", "--ann_logn_length", "64",
-                     "--ann_batch_distractors") == 0
+                     "--ann_batch_distractors", "--ann_distractor_blocks", "2") == 0
     continued = MiniMindForCausalLM.from_pretrained(tmp_path / "continued" / "model").config
     assert (continued.ann_retrieval_layers, continued.ann_logn_length, continued.ann_batch_distractors) == ([1], 64, True)
+    assert continued.ann_distractor_blocks == 2
     assert not MiniMindForCausalLM.from_pretrained(tmp_path / "held" / "model").config.ann_batch_distractors
     before, after = (MiniMindForCausalLM.from_pretrained(tmp_path / name / "model").state_dict()
                      for name in ("held", "continued"))

@@ -83,6 +83,10 @@ def parse_args(stage, argv=None):
     p.add_argument("--ann_distractor_memory", type=int, default=None,
                    help="training, with --ann_batch_distractors: the complete blocks of this many earlier batches "
                         "stay (detached) as further distractor candidates; kept in checkpoints; default 0")
+    p.add_argument("--ann_distractor_blocks", type=int, default=None,
+                   help="training, with --ann_batch_distractors: a query's top_n blocks come from its own row "
+                        "alone and this many of the best foreign blocks are attended on top (0: all compete "
+                        "for top_n); default 0")
     p.add_argument("--ann_retrieval", default=None, help="exact | hnsw | auto")
     p.add_argument("--ann_block_position", default=None, help="capped | true: where retrieved keys sit for RoPE")
     p.add_argument("--ann_block_summary", default=None, help="bounds | mean | keys: how a block is scored for retrieval")
@@ -147,6 +151,7 @@ def build_config(args):
         ann_logn_length=args.ann_logn_length,
         ann_batch_distractors=args.ann_batch_distractors,
         ann_distractor_memory=args.ann_distractor_memory,
+        ann_distractor_blocks=args.ann_distractor_blocks,
         ann_retrieval=args.ann_retrieval,
         ann_block_position=args.ann_block_position,
         ann_block_summary=args.ann_block_summary,
