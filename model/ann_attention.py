@@ -470,8 +470,9 @@ class AttendedKeys(NamedTuple):
     keys, values (b, g, W + n*B, d): the window (slot p mod W, the WindowRing when capped), then
     the far keys (the selected blocks, or positions 0 .. t-W while top_n covers every candidate);
     mask (b, g, 1, W + n*B): 0 where a key is visible, -inf where not (a far slot past the query's
-    candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with. The parts are sliced afresh each step (window, far): a view kept
-    across steps would stay behind the buffer when a step writes tensors that require grad.
+    candidates, or beyond t-W). visible, hidden: 0-d tensors of 0 and -inf to write it with. The
+    parts are sliced afresh each step (window, far): a view kept across steps would stay behind the
+    buffer when a step writes tensors that require grad.
     """
 
     keys: torch.Tensor

@@ -228,16 +228,15 @@ class MiniMindConfig(PretrainedConfig):
                 "ann_batch_distractors needs ann_block_position 'capped': another row's blocks have no true "
                 "distance to a query"
             )
-        memory = self.ann_distractor_memory
-        if not isinstance(memory, int) or isinstance(memory, bool) or memory < 0:
-            problems.append(f"ann_distractor_memory must be an integer >= 0 (earlier batches kept), got {memory!r}")
-        elif memory and self.ann_batch_distractors is not True:
-            problems.append("ann_distractor_memory needs ann_batch_distractors: the kept blocks are distractors")
-        extra = self.ann_distractor_blocks
-        if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
-            problems.append(f"ann_distractor_blocks must be an integer >= 0 (foreign blocks added), got {extra!r}")
-        elif extra and self.ann_batch_distractors is not True:
-            problems.append("ann_distractor_blocks needs ann_batch_distractors: the added blocks are distractors")
+        for name, counted, what in (
+            ("ann_distractor_memory", "earlier batches kept", "the kept blocks"),
+            ("ann_distractor_blocks", "foreign blocks added", "the added blocks"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name} must be an integer >= 0 ({counted}), got {value!r}")
+            elif value and self.ann_batch_distractors is not True:
+                problems.append(f"{name} needs ann_batch_distractors: {what} are distractors")
         for name in ("key_shift", "query_shift"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_SHIFT:

@@ -234,7 +234,6 @@ class AutoRetriever(ExactRetriever):
         return torch.where(far, hnsw_ids, exact_ids), torch.where(far, hnsw_valid, exact_valid)
 
 
-
 class OwnAndForeignRetriever:
     """A cross-batch distractor pass's selection with ann_distractor_blocks N: the leading
     `foreign_blocks` candidates are other sequences' blocks, the rest a query's own. The top_n come
